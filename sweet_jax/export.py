@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import sys
 
+from sweet_jax import errors
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.export")
@@ -64,14 +64,8 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
-    try:
-        path = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
-                      max_shard_size=FLAGS.max_shard_size)
-    except SweetJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    path = errors.cli_main(log, lambda: export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
+                                               max_shard_size=FLAGS.max_shard_size))
     print(f"exported to {path}")
 
 

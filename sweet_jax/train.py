@@ -26,7 +26,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from sweet_jax import config_utils
+from sweet_jax import config_utils, errors
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.train")
@@ -173,30 +173,45 @@ def build_mesh(config):
 
 
 # ==========================================================================================================
-# Data: examples as per-example arrays [P, L]; batches padded to a bucketed length
+# Data: every host lists the same examples, renders only its slice of them (data.batching.host_range)
 # ==========================================================================================================
 
 @dataclasses.dataclass
 class Dataset:
-    """Encoded examples, each a dict of numpy arrays: input_ids / turn_ids [P, L] (L = the longest of its P
-    sequences, left-aligned), length [P]; ref_logp [P, L] once the reference pass has run."""
-    examples: list[dict[str, np.ndarray]]
-    num_pairs_or_rows: int
+    """One split as this host holds it. Every host lists the split's examples the same way (critic pairs from
+    the rewards, successful trajectories, ranked pairs: no tokenizer, cheap), then renders only its slice:
+    `examples` (tuples of P data.render.Rendered), `ids` their positions in the global list (the length
+    policy may have dropped some), `num_global` the list's length. `lengths` = (ids, lengths) of every
+    host's examples (gather_lengths), `extras` per-token arrays added later (the reference pass's ref_logp)."""
+    examples: list
+    ids: list[int]
+    num_global: int
     tasks: int
+    num_sequences: int
+    extras: dict = dataclasses.field(default_factory=dict)
+    lengths: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.examples)
 
+    @property
+    def num_examples(self) -> int:
+        """Examples over all hosts (after gather_lengths)."""
+        return len(self.lengths[0])
 
-def encode_example(seqs) -> dict[str, np.ndarray]:
-    """A tuple of P data.render.Rendered -> dict of [P, L] arrays."""
-    L = max(len(r) for r in seqs)
-    ids = np.zeros((len(seqs), L), np.int32)
-    turns = np.zeros((len(seqs), L), np.int32)
-    for p, r in enumerate(seqs):
-        ids[p, :len(r)] = r.input_ids
-        turns[p, :len(r)] = r.turn_ids
-    return {"input_ids": ids, "turn_ids": turns, "length": np.array([len(r) for r in seqs], np.int32)}
+    def gather_lengths(self) -> None:
+        from sweet_jax.data import batching
+        self.lengths = batching.gather_lengths(np.asarray(self.ids), batching.example_lengths(self.examples))
+
+    def batches(self, config, *, pad_id: int, process_index: int = 0, process_count: int = 1, **kwargs):
+        """A data.batching.BatchIterator over this split (its position goes into the checkpoint)."""
+        from sweet_jax.data.batching import BatchIterator
+        return BatchIterator(
+            self.examples, batch_size=config.train.batch_size, seed=config.train.seed, pad_id=pad_id,
+            padding_side=config.data.padding_side, max_len=config.data.max_len, bucket_size=config.data.bucket,
+            process_index=process_index, process_count=process_count, example_ids=self.ids,
+            num_global=self.num_global, global_lengths=self.lengths, extras=self.extras,
+            num_sequences=self.num_sequences, **kwargs)
 
 
 def split_by_task(keys: list[str], eval_fraction: float, seed: int) -> set[str]:
@@ -227,8 +242,10 @@ def _read_jsonl(path: str, what: str, field: str) -> list[dict]:
     return rows
 
 
-def build_datasets(config, tokenizer) -> tuple[Dataset, Dataset]:
-    """(train, eval) examples for config.loss.kind; eval = the pairs of a held-out set of tasks."""
+def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: int = 1) -> tuple[Dataset, Dataset]:
+    """(train, eval) examples for config.loss.kind, this host's slice of each (process_index of
+    process_count row slices of the global batch); eval = the examples of a held-out set of tasks."""
+    from sweet_jax.data import batching
     from sweet_jax.data import pairs as pairs_lib
     from sweet_jax.data import schema
 
@@ -236,8 +253,9 @@ def build_datasets(config, tokenizer) -> tuple[Dataset, Dataset]:
     options = pairs_lib.RenderOptions(
         max_len=config.data.max_len, overflow=config.data.length_policy,
         info_template=config.data.info_template, info_placement=config.data.info_placement)
+    mine = lambda n: batching.host_range(n, config.train.batch_size, process_index, process_count)  # noqa: E731
     if kind == "dpo":
-        return _policy_pair_datasets(config, tokenizer, options)
+        return _policy_pair_datasets(config, tokenizer, options, mine)
 
     path = config.data.trajectories or str(demo_paths().trajectories)
     if not config.data.trajectories and not pathlib.Path(path).exists():
@@ -257,28 +275,30 @@ def build_datasets(config, tokenizer) -> tuple[Dataset, Dataset]:
     splits = ([t for t in trajectories if t.task.key not in eval_keys],
               [t for t in trajectories if t.task.key in eval_keys])
     out = []
-    for name, trajs in zip(("train", "eval"), splits):
+    for trajs in splits:
         tasks = len({t.task.key for t in trajs})
         if kind in ("critic", "mtdpo"):
-            pairs = pairs_lib.critic_pairs(trajs, min_gap=config.data.min_gap)
-            examples, _ = pairs_lib.pair_examples(tokenizer, pairs, with_info=kind == "critic" and config.loss.use_info,
-                                                  options=options, progress=len(pairs) > 200)
-            n = len(pairs)
+            listed = pairs_lib.critic_pairs(trajs, min_gap=config.data.min_gap)
+            part = mine(len(listed))
+            examples, _ = pairs_lib.pair_examples(tokenizer, listed[part.start:part.stop],
+                                                  with_info=kind == "critic" and config.loss.use_info,
+                                                  options=options, progress=len(part) > 200)
         else:  # rft: SFT on the successful trajectories
-            successes = pairs_lib.rft_examples(trajs)
-            examples, _ = pairs_lib.sft_examples(tokenizer, successes, options=options, progress=len(successes) > 200)
-            n = len(successes)
-        out.append(Dataset([encode_example(ex) for ex in examples], n, tasks))
-    if not out[0].examples:
+            listed = pairs_lib.rft_examples(trajs)
+            part = mine(len(listed))
+            examples, _ = pairs_lib.sft_examples(tokenizer, listed[part.start:part.stop], options=options,
+                                                 progress=len(part) > 200)
+        out.append(Dataset(list(examples), [part.start + i for i in examples.indices], len(listed), tasks,
+                           1 if kind == "rft" else 2))
+    if not out[0].num_global:
         what = "pairs (a task needs a trajectory with reward 1.0 and one with a lower reward)" \
             if kind != "rft" else "successful trajectories (reward 1.0)"
         raise TrainConfigError(f"config.data.trajectories={path!r}: {len(trajectories)} trajectories give no training "
-                               f"{what} within data.max_len={config.data.max_len}; use scored trajectories with "
-                               "successes and failures per task, or raise data.max_len")
+                               f"{what}; use scored trajectories with successes and failures per task")
     return out[0], out[1]
 
 
-def _policy_pair_datasets(config, tokenizer, options) -> tuple[Dataset, Dataset]:
+def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Dataset]:
     """Step-level pairs written by `python -m sweet_jax.rank`: the prompt the candidates were sampled from,
     then the chosen / rejected reply (turn id 1) and its end-of-turn token."""
     from sweet_jax.data import render
@@ -296,95 +316,23 @@ def _policy_pair_datasets(config, tokenizer, options) -> tuple[Dataset, Dataset]
     keys = [str(r.get("task_key", r.get("trajectory_index", n))) for n, r in enumerate(records)]
     eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
     stats = render.LengthStats()
-    splits = ([], [])
-    for key, r in zip(keys, records):
-        seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"], r[side]),),
-                                               label="last") for side in ("chosen", "rejected"))
-        fitted = render.fit_all(seqs, options.max_len, overflow=options.overflow, stats=stats)
-        if fitted is not None:
-            splits[key in eval_keys].append(encode_example(fitted))
+    out = []
+    for held_out in (False, True):
+        listed = [r for key, r in zip(keys, records) if (key in eval_keys) == held_out]
+        part = mine(len(listed))
+        examples, ids = [], []
+        for i in part:
+            r = listed[i]
+            seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"], r[side]),),
+                                                   label="last") for side in ("chosen", "rejected"))
+            fitted = render.fit_all(seqs, options.max_len, overflow=options.overflow, stats=stats)
+            if fitted is not None:
+                examples.append(fitted)
+                ids.append(i)
+        tasks = len({k for k in keys if (k in eval_keys) == held_out})
+        out.append(Dataset(examples, ids, len(listed), tasks, 2))
     stats.log("policy pairs", options.max_len)
-    if not splits[0]:
-        raise TrainConfigError(f"config.data.pairs={config.data.pairs!r}: no pair fits data.max_len={options.max_len}")
-    return (Dataset(splits[0], len(splits[0]), len({k for k in keys if k not in eval_keys})),
-            Dataset(splits[1], len(splits[1]), len(eval_keys)))
-
-
-def collate(examples: list[dict[str, np.ndarray]], *, batch_size: int, bucket: int, max_len: int,
-            padding_side: str, pad_id: int) -> dict[str, np.ndarray]:
-    """Pad examples to [batch_size, P, T]; rows past the examples are padding with weight 0. T is the
-    smallest of data.batching's buckets (bucket * 2^k, then max_len) holding the longest sequence, so a run
-    compiles once per bucket, a handful of times."""
-    from sweet_jax.data.batching import bucket_for, bucket_lengths
-
-    P = examples[0]["input_ids"].shape[0]
-    longest = max(int(ex["length"].max()) for ex in examples)
-    T = bucket_for(longest, bucket_lengths(max_len, bucket))
-    batch = {
-        "input_ids": np.full((batch_size, P, T), pad_id, np.int32),
-        "attention_mask": np.zeros((batch_size, P, T), np.int32),
-        "turn_ids": np.zeros((batch_size, P, T), np.int32),
-        "weight": np.zeros((batch_size,), np.float32),
-    }
-    has_ref = "ref_logp" in examples[0]
-    if has_ref:
-        batch["ref_logp"] = np.zeros((batch_size, P, T), np.float32)
-    for i, ex in enumerate(examples):
-        for p in range(P):
-            L = int(ex["length"][p])
-            sl = slice(0, L) if padding_side == "right" else slice(T - L, T)
-            batch["input_ids"][i, p, sl] = ex["input_ids"][p, :L]
-            batch["attention_mask"][i, p, sl] = 1
-            batch["turn_ids"][i, p, sl] = ex["turn_ids"][p, :L]
-            if has_ref:
-                batch["ref_logp"][i, p, sl] = ex["ref_logp"][p, :L]
-        batch["weight"][i] = 1.0
-    return batch
-
-
-class EpochBatches:
-    """Global batches of example indices: a seeded permutation per epoch, cut into batch_size chunks (the
-    last one short, padded by `collate`). Its position is two integers, saved in every checkpoint; every
-    process walks the same global order and materialises only the rows its devices hold."""
-
-    def __init__(self, num_examples: int, batch_size: int, *, seed: int, shuffle: bool = True):
-        self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
-        self.epoch, self.index = 0, 0
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return -(-self.num_examples // self.batch_size)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_examples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> np.ndarray:
-        if self.index >= self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        start = self.index * self.batch_size
-        self.index += 1
-        return self._order(self.epoch)[start:start + self.batch_size]
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "num_examples": self.num_examples,
-                "batch_size": self.batch_size, "seed": self.seed}
-
-    def restore(self, state: dict) -> None:
-        same = (state["num_examples"], state["batch_size"], state["seed"]) == \
-            (self.num_examples, self.batch_size, self.seed)
-        if not same:
-            raise TrainConfigError(
-                f"the checkpoint's data position is for {state['num_examples']} examples, batch "
-                f"{state['batch_size']}, seed {state['seed']}, but this run has {self.num_examples}, "
-                f"{self.batch_size}, {self.seed}: resume with the run's own config (workdir/config.json) or "
-                "use a new --workdir")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
+    return out[0], out[1]
 
 # ==========================================================================================================
 # Model
@@ -434,10 +382,29 @@ def build_model(config, llama_config, mesh):
 # Moving batches onto the mesh, the reference pass, evaluation
 # ==========================================================================================================
 
-def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
-    """Host batch (identical on every process) -> global jax.Arrays; each process fills only its devices' rows."""
+def data_shard(sharding, batch_size: int) -> tuple[int, int]:
+    """(index, count) of the slice of global batch rows this process feeds (data.batching's process_index /
+    process_count): (process_index, process_count) when the batch is split over processes, fewer slices when
+    processes hold replicas of the same rows (a tensor axis across hosts)."""
     import jax
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+
+    if jax.process_count() == 1:
+        return 0, 1
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(*index[0].indices(batch_size)))
+    lo, n = min(rows), len(rows)
+    if max(rows) - lo + 1 != n or lo % n or batch_size % n:
+        raise TrainConfigError(f"this process's devices hold batch rows {sorted(rows)} of {batch_size}, not one "
+                               "aligned contiguous slice; set --config.mesh.shape so that each host's devices "
+                               "are neighbours on the (data, fsdp) axes")
+    return lo // n, batch_size // n
+
+
+def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
+    """This process's rows of a batch -> global jax.Arrays (rows of all processes, in process order)."""
+    import jax
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
 def to_host(x) -> np.ndarray:
@@ -448,30 +415,31 @@ def to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def reference_pass(ref_logp_fn, params, datasets: list[Dataset], collate_fn, batch_size: int, sharding,
-                   padding_side: str) -> None:
-    """Label log-probs of the frozen reference model for every example, stored with it (ex['ref_logp'])."""
+def one_pass(dataset: Dataset, make_batches):
+    """(iterator, steps) over every example once, longest first (little padding, few shapes to compile)."""
+    it = make_batches(dataset, shuffle=False, longest_first=True, num_epochs=1)
+    return it, range(it.steps_per_epoch)
+
+
+def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> None:
+    """Label log-probs of the frozen reference model for every example of this host, stored in
+    dataset.extras['ref_logp'] (one [L] array per sequence), from where the batches carry them."""
     from tqdm.auto import tqdm
     import jax
 
-    todo = [(d, i) for d in datasets for i in range(len(d))]
-    # Longest first, so each batch pads little and the few bucket shapes compile once.
-    todo.sort(key=lambda di: -int(di[0].examples[di[1]]["length"].max()))
-    bar = tqdm(total=len(todo), desc="reference log-probs", unit="ex", disable=jax.process_index() != 0)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start:start + batch_size]
-        batch = collate_fn([d.examples[i] for d, i in chunk])
+    it, steps = one_pass(dataset, make_batches)
+    refs: list = [None] * len(dataset)
+    lo = it.process_index * it.local_batch_size
+    for step in tqdm(steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
+        batch = it.batch_at(0, step)
         logp_BPT = to_host(ref_logp_fn(params, to_global(
             {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
         T = batch["input_ids"].shape[-1]
-        for row, (d, i) in enumerate(chunk):
-            ex = d.examples[i]
-            ref = np.zeros(ex["input_ids"].shape, np.float32)
-            for p, L in enumerate(ex["length"]):
-                ref[p, :L] = logp_BPT[row, p, :L] if padding_side == "right" else logp_BPT[row, p, T - L:]
-            ex["ref_logp"] = ref
-        bar.update(len(chunk))
-    bar.close()
+        for row, i in enumerate(it.local_indices(0, step)):
+            if i >= 0:
+                refs[i] = tuple(logp_BPT[lo + row, p, :len(seq)] if padding_side == "right"
+                                else logp_BPT[lo + row, p, T - len(seq):] for p, seq in enumerate(dataset.examples[i]))
+    dataset.extras["ref_logp"] = refs
 
 
 def make_eval_fn(config, state, mesh, spec):
@@ -502,20 +470,19 @@ def make_eval_fn(config, state, mesh, spec):
     return jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def evaluate(eval_fn, params, dataset: Dataset, collate_fn, batch_size: int, sharding, ref_params=None) -> dict:
+def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_params=None) -> dict:
     """Metrics over the whole held-out set (each batch's means weighted by its number of real examples)."""
     import jax
     totals: dict[str, float] = {}
-    count = 0.0
-    order = sorted(range(len(dataset)), key=lambda i: -int(dataset.examples[i]["length"].max()))
-    for start in range(0, len(order), batch_size):
-        rows = [dataset.examples[i] for i in order[start:start + batch_size]]
-        batch = to_global(collate_fn(rows), sharding)
-        args = (params, batch) + ((ref_params,) if ref_params is not None else ())
+    count = 0
+    it, steps = one_pass(dataset, make_batches)
+    for step in steps:
+        args = (params, to_global(it.batch_at(0, step), sharding)) + ((ref_params,) if ref_params is not None else ())
         metrics = jax.device_get(eval_fn(*args))
+        rows = it.real_rows(0, step)
         for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v) * len(rows)
-        count += len(rows)
+            totals[k] = totals.get(k, 0.0) + float(v) * rows
+        count += rows
     return {k: v / count for k, v in totals.items()} if count else {}
 
 
@@ -575,17 +542,25 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
     log.info("mesh %s over %d devices (%s), %d process(es)", dict(mesh.shape), jax.device_count(),
              jax.devices()[0].device_kind, jax.process_count())
 
-    # ---- tokenizer and data
+    # ---- tokenizer and data: this host renders only its slice; the batches are the same for any host count
     tokenizer = load_tokenizer(tokenizer_path(config))
-    train_set, eval_set = build_datasets(config, tokenizer)
-    log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks)",
-             len(train_set), train_set.tasks, len(eval_set), eval_set.tasks)
-    B = config.train.batch_size
-    collate_fn = lambda rows: collate(rows, batch_size=B, bucket=config.data.bucket,  # noqa: E731
-                                      max_len=config.data.max_len, padding_side=config.data.padding_side,
-                                      pad_id=pad_id(tokenizer))
-    batches = EpochBatches(len(train_set), B, seed=config.train.seed)
-    total_steps = config.train.num_steps if config.train.num_steps > 0 else config.train.epochs * batches.batches_per_epoch
+    batch_sh = steps.batch_sharding(mesh)
+    data_index, data_count = data_shard(batch_sh, config.train.batch_size)
+    train_set, eval_set = build_datasets(config, tokenizer, process_index=data_index, process_count=data_count)
+    for dataset in (train_set, eval_set):
+        dataset.gather_lengths()
+    if not train_set.num_examples:
+        raise TrainConfigError(f"no training example fits data.max_len={config.data.max_len} "
+                               f"(data.length_policy={config.data.length_policy!r}): raise --config.data.max_len")
+    log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks); this host renders "
+             "slice %d of %d", train_set.num_examples, train_set.tasks, eval_set.num_examples, eval_set.tasks,
+             data_index, data_count)
+
+    def make_batches(dataset: Dataset, **kwargs):  # -> data.batching.BatchIterator
+        return dataset.batches(config, pad_id=pad_id(tokenizer), process_index=data_index,
+                               process_count=data_count, **kwargs)
+    batches = make_batches(train_set)
+    total_steps = config.train.num_steps if config.train.num_steps > 0 else config.train.epochs * batches.steps_per_epoch
 
     # ---- model, optimiser, train state
     llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
@@ -607,15 +582,15 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
                                             nll_coef=config.loss.nll_coef,
                                             label_smoothing=config.loss.label_smoothing, **common)
     eval_fn = make_eval_fn(config, state, mesh, spec)
-    batch_sh = steps.batch_sharding(mesh)
 
     # ---- reference log-probs: the initial (= reference) parameters, before any update
     ref_params = None
     if spec.needs_ref:
         if config.train.ref_logp == "precompute":
             ref_fn = steps.make_ref_logp_fn(state.graphdef, steps.shardings_of(state.params), mesh, rest=state.rest)
-            reference_pass(ref_fn, state.params, [train_set, eval_set], collate_fn, B, batch_sh,
-                           config.data.padding_side)
+            for dataset in (train_set, eval_set):  # the batches carry dataset.extras['ref_logp'] from now on
+                if dataset.num_examples:
+                    reference_pass(ref_fn, state.params, dataset, make_batches, batch_sh, config.data.padding_side)
         else:
             ref_params = jax.tree.map(lambda x: x.copy(), state.params)  # a frozen copy: state is donated
 
@@ -690,8 +665,8 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
 
     def run_eval(at_step):
         nonlocal last_eval
-        if len(eval_set):
-            last_eval = rename_metrics(evaluate(eval_fn, state.params, eval_set, collate_fn, B, batch_sh, ref_params))
+        if eval_set.num_examples:
+            last_eval = rename_metrics(evaluate(eval_fn, state.params, eval_set, make_batches, batch_sh, ref_params))
             writer.write(at_step, last_eval, split="eval")
             log.info("eval at step %d: %s", at_step, {k: round(v, 4) for k, v in last_eval.items()})
 
@@ -699,8 +674,7 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
         if restored is None and config.train.eval_every > 0:
             run_eval(0)
         while step < total_steps:
-            rows = [train_set.examples[i] for i in next(batches)]
-            host_batch = collate_fn(rows)
+            host_batch = next(batches)
             batch = to_global(host_batch, batch_sh)
             rng, _ = jax.random.split(rng)
             t0 = time.perf_counter()
@@ -753,8 +727,8 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
         writer.close()
         sync_logs()
 
-    summary = {"steps": step, "total_steps": total_steps, "train_examples": len(train_set),
-               "eval_examples": len(eval_set), "eval": last_eval, "peak_flops": peak_flops, "peak": peak_desc}
+    summary = {"steps": step, "total_steps": total_steps, "train_examples": train_set.num_examples,
+               "eval_examples": eval_set.num_examples, "eval": last_eval, "peak_flops": peak_flops, "peak": peak_desc}
     timed = history[1:] or history   # the first step of a run includes compilation
     if timed:
         summary["tokens_per_s"] = float(np.median([h["tokens_per_s"] for h in timed]))
@@ -776,17 +750,10 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    # Orbax logs every file operation at INFO through absl; keep the console for the run's own story.
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
     try:
-        run(FLAGS.config, FLAGS.workdir)
+        errors.cli_main(log, lambda: run(FLAGS.config, FLAGS.workdir))
     except Preempted:
         sys.exit(143)  # 128 + SIGTERM: schedulers see an interrupted run, not a finished one
-    except SweetJaxError as e:
-        log.debug("error details", exc_info=True)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _parse_flags(argv):
@@ -795,8 +762,7 @@ def _parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError/flags.Error
-        print(f"error: {config_error_for_flags(argv, e)}", file=sys.stderr)
-        sys.exit(2)
+        errors.exit_with_error(config_error_for_flags(argv, e))
 
 
 def define_flags():

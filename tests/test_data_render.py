@@ -129,6 +129,34 @@ def test_prerendered_official_turns_match_message_rendering(tok):
     assert pre.reply_starts == ref.reply_starts
 
 
+def test_prerendered_turns_whose_replies_hold_output_markers(tok):
+    """Replies written as "thoughts OUTPUT: reply", recorded by the environment as the official files do:
+    `output` is the raw reply, `content` (what later prompts show) only the text after the marker; the last
+    reply also quotes "OUTPUT:" in its code. Each span is the reply as the model wrote it at that point: the
+    text after the marker for earlier replies (that is what the dialogue holds), the raw output for the last."""
+    from sweet_jax.envs import ColBenchEnv
+    from sweet_jax.data.schema import Trajectory
+
+    env = ColBenchEnv({"problem_description": DIALOGUE[0]["content"], "ground_truth": GT, "test_cases": {}})
+    raw = ["I should ask about types. OUTPUT: What type is x, an int or a float?",
+           "Strings next.OUTPUT:Should strings raise an error?",
+           "I know enough. OUTPUT: I WANT TO ANSWER:\ndef double(x):\n    print('OUTPUT: doubling')\n    return x * 2"]
+    for k, reply in enumerate(raw):
+        prompt = tok.apply_chat_template(env.messages(), tokenize=False, add_generation_prompt=True)
+        if not env.act(reply, prompt=prompt):
+            env.observe(["Either one.", "No, you can ignore strings."][k])
+    trajectory = Trajectory.from_json(env.trajectory(reward=1.0))
+    assert trajectory.prerendered
+    r = render_prerendered(tok, trajectory.dialogue_history, info=GT)
+    assert r.num_turns == 3
+    last = trajectory.dialogue_history[-1].output  # the environment cuts the raw reply at a second "OUTPUT:"
+    assert last.startswith("I know enough. OUTPUT: I WANT TO ANSWER:") and last.endswith("print('")
+    want = ["What type is x, an int or a float?", "Should strings raise an error?", last]
+    for k, text in enumerate(want, start=1):
+        assert tok.decode(r.input_ids[r.turn_ids == k][:-1]).strip() == text
+    assert tok.convert_ids_to_tokens(int(r.input_ids[r.turn_ids == 3][-1])) == eot_text(tok)
+
+
 def test_truncation_drops_earliest_turns_and_equals_rendering_the_shorter_dialogue(tok):
     full = render_dialogue(tok, DIALOGUE, info=GT)
     shorter = render_dialogue(tok, DIALOGUE[:1] + DIALOGUE[5:], info=GT)  # replies 1 and 2 dropped

@@ -41,6 +41,24 @@ def test_trajectory_round_trips_through_to_json(tmp_path):
     assert again.to_json()["task"]["hidden_information"] == TASK["ground_truth"]
 
 
+def test_write_jsonl_replaces_the_file_atomically(tmp_path):
+    """A failed write leaves the old file whole and no temporary behind; a good one replaces it in one rename."""
+    path = tmp_path / "sub" / "rows.jsonl"
+    write_jsonl(path, [{"a": 1, "text": "naïve"}])
+    assert path.read_text(encoding="utf-8") == '{"a": 1, "text": "naïve"}\n'
+
+    def rows_then_crash():
+        yield {"a": 2}
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_jsonl(path, rows_then_crash())
+    assert path.read_text(encoding="utf-8") == '{"a": 1, "text": "naïve"}\n'
+    assert [p.name for p in path.parent.iterdir()] == ["rows.jsonl"]
+    write_jsonl(path, [{"a": 3}, {"a": 4}])
+    assert [json.loads(line)["a"] for line in path.read_text().splitlines()] == [3, 4]
+    assert [p.name for p in path.parent.iterdir()] == ["rows.jsonl"]
+
+
 def test_official_prerendered_turns_load_without_content(tmp_path):
     hist = [{"role": "user", "content": "Write add."},
             {"role": "assistant", "input": "<prompt 1>", "output": "Which types?"},

@@ -256,16 +256,17 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
         train_set, eval_set = train.build_datasets(demo_config(file=file, preset=preset, **common), tokenizer)
         built[preset if file == "critic.py" or preset != "demo" else "policy_dpo"] = (train_set, eval_set)
         assert len(train_set) and len(eval_set) and train_set.tasks == 4 and eval_set.tasks == 2
-    P = {k: v[0].examples[0]["input_ids"].shape[0] for k, v in built.items()}
+    P = {k: len(v[0].examples[0]) for k, v in built.items()}
     assert P == {"demo": 2, "demo_no_info": 2, "policy_dpo": 2, "demo_mtdpo": 2, "demo_rft": 1}
+    assert all(v[0].num_sequences == P[k] for k, v in built.items())
     # The critic with c reads the reference solution: every sequence is longer than without it.
     with_c, without_c = built["demo"][0].examples, built["demo_no_info"][0].examples
-    assert all((a["length"] > b["length"]).all() for a, b in zip(with_c, without_c))
+    assert all(len(a) > len(b) for ex_a, ex_b in zip(with_c, without_c) for a, b in zip(ex_a, ex_b))
     # Step-level policy pairs: only the reply (turn id 1) is trained, after the shared prompt.
-    ex = built["policy_dpo"][0].examples[0]
-    assert set(np.unique(ex["turn_ids"])) == {0, 1}
-    prompt_len = int(np.argmax(ex["turn_ids"][0] > 0))
-    np.testing.assert_array_equal(ex["input_ids"][0, :prompt_len], ex["input_ids"][1, :prompt_len])
+    chosen, rejected = built["policy_dpo"][0].examples[0]
+    assert set(np.unique(chosen.turn_ids)) == {0, 1}
+    prompt_len = int(np.argmax(chosen.turn_ids > 0))
+    np.testing.assert_array_equal(chosen.input_ids[:prompt_len], rejected.input_ids[:prompt_len])
 
 
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch):
@@ -332,3 +333,22 @@ def test_metrics_log_drops_records_past_the_resume_point_and_plots(tmp_path):
     assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(1, "train", 1.0), (2, "train", 0.5), (3, "train", 0.2)]
     png = metrics.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_entry_points_show_user_errors_as_one_line_and_exit_2(capsys):
+    """errors.cli_main, shared by the train and export entry points."""
+    import logging
+
+    from sweet_jax import errors
+
+    log = logging.getLogger("sweet_jax.test_cli")
+    assert errors.cli_main(log, lambda: 7) == 7
+
+    def bad_input():
+        raise errors.SweetJaxError("config.data.max_len=0: must be > 0")
+    with pytest.raises(SystemExit) as exited:
+        errors.cli_main(log, bad_input)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: config.data.max_len=0: must be > 0\n"
+    with pytest.raises(KeyError):  # a bug is not a user error: it keeps its traceback
+        errors.cli_main(log, lambda: {}["missing"])

@@ -6,12 +6,16 @@
     examples, stats = pair_examples(tok, critic_pairs(trajs), with_info=True, options=RenderOptions(max_len=8192))
     for batch in BatchIterator(examples, batch_size=8, max_len=8192, pad_id=pad_id(tok), num_epochs=4): ...
 
+Several hosts: each renders only host_range(len(pairs), batch_size, jax.process_index(), jax.process_count())
+of the pair list and passes example_ids / num_global to BatchIterator (see data/batching.py).
+
 The TFDS builder lives in sweet_jax.data.tfds_colbench (imported on demand: it pulls in TensorFlow).
 """
-from sweet_jax.data.batching import BatchError, BatchIterator, bucket_for, bucket_lengths, collate
+from sweet_jax.data.batching import (BatchError, BatchIterator, bucket_for, bucket_lengths, chunk_bounds, collate,
+                                     example_lengths, gather_lengths, host_range)
 from sweet_jax.data.demo import DemoPaths
 from sweet_jax.data.demo import paths as demo_paths
-from sweet_jax.data.pairs import (PolicyPair, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
+from sweet_jax.data.pairs import (Examples, PolicyPair, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
                                   group_by_task, mtdpo_pairs, pair_examples, policy_pair_examples, policy_pairs,
                                   rft_examples, sft_examples)
 from sweet_jax.data.render import (INFO_PLACEMENTS, OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, RenderError,

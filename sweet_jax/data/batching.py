@@ -1,17 +1,29 @@
-"""Examples -> batches of [B, P, T] arrays, with bucketed T, deterministic shuffling and exact resume.
+"""Examples -> batches of [B, P, T] arrays, with bucketed T, deterministic shuffling, exact resume and
+host-sharded data.
 
 A batch (CONTRACTS.md): input_ids, attention_mask, turn_ids int32 [B, P, T]; weight float32 [B]
-(1 = real example, 0 = filler completing the last batch of an epoch). T is the smallest bucket holding the
-longest sequence of the *global* batch, so every host of a multi-host run builds the same shape.
+(1 = real example, 0 = filler); plus any per-token extras handed in (e.g. ref_logp float32 [B, P, T] from the
+reference pass). T is the smallest bucket holding the longest sequence of the *global* batch, so every host
+of a multi-host run builds the same shape.
 
-Multi-host: `batch_size` is the global batch; process p of n collates only rows [p*B/n, (p+1)*B/n) of each
-global batch (its shard); all processes see the same order because it depends only on (seed, epoch).
+Row shards. Every host agrees on one global list of N examples (e.g. the critic pairs, which every host can
+list cheaply from the rewards), cut into B contiguous chunks, one per row of the global batch: row r of every
+batch comes from chunk r, in a per-epoch order drawn from (seed, epoch, r). Host p of n holds rows
+[p*B/n, (p+1)*B/n), so it renders and tokenises only `host_range(N, B, p, n)`, its chunks, a contiguous slice
+of the list (neighbouring pairs share a task, so a task's best trajectory is rendered on one host, not many).
+Batches are therefore the same whatever the number of hosts (any n dividing B): a run resumes exactly on
+another slice size. Only per-example lengths cross hosts (`gather_lengths`, a small allgather), so that all
+hosts pick the same T and the same number of steps.
+
+An epoch has max(chunk sizes) steps (min with drop_last). A chunk that has run out (the length policy dropped
+some of its examples, or N is not a multiple of B) gives a filler row: one pad token, weight 0. Fillers per
+epoch (or examples left out per epoch with drop_last) are counted and logged, never silent.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -19,6 +31,8 @@ from sweet_jax.data.render import Rendered
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
+
+Extras = Mapping[str, Sequence[tuple[np.ndarray, ...]]]  # name -> per example, P per-token arrays
 
 
 class BatchError(SweetJaxError):
@@ -46,16 +60,38 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
                      "length policy (max_len) when building examples, or raise max_len")
 
 
-def collate(examples: Sequence[tuple[Rendered, ...]], *, length: int, pad_id: int = 0,
-            padding_side: str = "right", weights: Sequence[float] | None = None) -> dict[str, np.ndarray]:
-    """Stack B examples of P sequences into [B, P, length] arrays."""
+def example_lengths(examples: Sequence[tuple[Rendered, ...]]) -> np.ndarray:
+    """[N] int: the longest of each example's P sequences (what decides its bucket)."""
+    return np.array([max(len(s) for s in ex) for ex in examples], np.int64)
+
+
+def collate(examples: Sequence[tuple[Rendered, ...] | None], *, length: int, pad_id: int = 0,
+            padding_side: str = "right", weights: Sequence[float] | None = None,
+            extras: Extras | None = None, num_sequences: int | None = None) -> dict[str, np.ndarray]:
+    """Stack B examples of P sequences into [B, P, length] arrays.
+
+    None in `examples` is a filler row: one pad token (so no query is left without a key), weight 0.
+    extras: name -> per example (aligned with `examples`, None for fillers) a tuple of P per-token arrays as
+    long as the sequences, e.g. reference log-probs; padded with 0 like turn_ids.
+    """
     if padding_side not in ("right", "left"):
         raise BatchError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-    B, P = len(examples), len(examples[0])
+    real = [ex for ex in examples if ex is not None]
+    if num_sequences is None and not real:
+        raise BatchError("collate: only filler rows and no num_sequences: cannot tell P")
+    B, P = len(examples), (num_sequences if num_sequences is not None else len(real[0]))
+    extras = extras or {}
     input_ids = np.full((B, P, length), pad_id, np.int32)
     mask = np.zeros((B, P, length), np.int32)
     turn_ids = np.zeros((B, P, length), np.int32)
+    extra_out = {}
+    for name, values in extras.items():
+        first = next((v for v in values if v is not None), None)
+        extra_out[name] = np.zeros((B, P, length), np.float32 if first is None else first[0].dtype)
     for b, ex in enumerate(examples):
+        if ex is None:
+            mask[b, :, 0 if padding_side == "right" else length - 1] = 1
+            continue
         if len(ex) != P:
             raise BatchError(f"example {b} has {len(ex)} sequences, the batch has {P}")
         for p, seq in enumerate(ex):
@@ -66,17 +102,78 @@ def collate(examples: Sequence[tuple[Rendered, ...]], *, length: int, pad_id: in
             input_ids[b, p, sl] = seq.input_ids
             mask[b, p, sl] = 1
             turn_ids[b, p, sl] = seq.turn_ids
-    w = np.ones(B, np.float32) if weights is None else np.asarray(weights, np.float32)
-    return {"input_ids": input_ids, "attention_mask": mask, "turn_ids": turn_ids, "weight": w}
+            for name, values in extras.items():
+                if values[b] is None or len(values[b][p]) != n:
+                    raise BatchError(f"extra {name!r} of example {b}, sequence {p}: expected {n} per-token values, "
+                                     f"got {None if values[b] is None else len(values[b][p])}")
+                extra_out[name][b, p, sl] = values[b][p]
+    if weights is None:
+        w = np.array([ex is not None for ex in examples], np.float32)
+    else:
+        w = np.asarray(weights, np.float32)
+    return {"input_ids": input_ids, "attention_mask": mask, "turn_ids": turn_ids, "weight": w, **extra_out}
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Which host holds which examples
+
+def chunk_bounds(num_examples: int, num_chunks: int) -> np.ndarray:
+    """[num_chunks + 1] boundaries of `num_chunks` contiguous chunks of near-equal size (sizes differ by <= 1)."""
+    return np.array([c * num_examples // num_chunks for c in range(num_chunks + 1)], np.int64)
+
+
+def host_range(num_examples: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> range:
+    """The slice of the global example list that host `process_index` of `process_count` renders: the chunks
+    of its rows of the global batch. The slices of all hosts are disjoint and cover the list."""
+    _check_hosts(batch_size, process_index, process_count)
+    bounds = chunk_bounds(num_examples, batch_size)
+    rows = batch_size // process_count
+    return range(int(bounds[process_index * rows]), int(bounds[(process_index + 1) * rows]))
+
+
+def _check_hosts(batch_size: int, process_index: int, process_count: int) -> None:
+    if batch_size <= 0 or process_count <= 0 or batch_size % process_count:
+        raise BatchError(f"global batch_size {batch_size} must be a positive multiple of process_count "
+                         f"{process_count}")
+    if not 0 <= process_index < process_count:
+        raise BatchError(f"process_index {process_index} not in [0, {process_count})")
+
+
+def gather_lengths(example_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every host's (global example ids, lengths), from each host's own: one small allgather over processes.
+    Ids that several processes hold (replicas of the same batch rows) are kept once."""
+    import jax
+
+    ids, lengths = np.asarray(example_ids, np.int32), np.asarray(lengths, np.int32)
+    if jax.process_count() == 1:
+        return ids, lengths
+    from jax.experimental import multihost_utils
+
+    counts = np.asarray(multihost_utils.process_allgather(np.array([len(ids)], np.int32))).reshape(-1)
+    padded = np.full((int(counts.max(initial=0)) or 1, 2), -1, np.int32)
+    padded[:len(ids)] = np.stack([ids, lengths], axis=1)
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 2)
+    every = every[every[:, 0] >= 0]
+    all_ids, first = np.unique(every[:, 0], return_index=True)
+    return all_ids, every[first, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The iterator
 
 @dataclasses.dataclass
 class BatchIterator:
-    """Iterates batches epoch after epoch; `state()` / `restore(state)` give exact resume.
+    """Iterates this host's part of the global batches, epoch after epoch; `state()` / `restore(state)` give
+    exact resume (see the module docstring for the row-shard layout).
 
-    Order in epoch e: a permutation drawn from (seed, e). An epoch has ceil(N / batch_size) batches (floor
-    with drop_last); the last is completed with weight-0 copies of real examples so shapes stay fixed.
-    num_epochs=None iterates forever.
+    examples: this host's examples (all of them on one host); example_ids: their indices in the global list
+    (default 0..N-1 on one host, the host_range slice on several; the length policy may have dropped some);
+    num_global: the global list's length before any drop (default: len(examples) on one host).
+    global_lengths: (ids, lengths) of every host's examples; None = gathered with `gather_lengths` when there
+    are several hosts (tests pass it to simulate hosts in one process).
+    extras: per-token arrays that travel with the examples (see collate); may be set after construction.
+    shuffle=False walks each chunk in list order, or longest first with longest_first=True (a pass for
+    inference that pads least). num_epochs=None iterates forever.
     """
     examples: Sequence[tuple[Rendered, ...]]
     batch_size: int
@@ -91,58 +188,124 @@ class BatchIterator:
     num_epochs: int | None = None
     process_index: int = 0
     process_count: int = 1
+    example_ids: Sequence[int] | None = None
+    num_global: int | None = None
+    global_lengths: tuple[Sequence[int], Sequence[int]] | None = None
+    extras: Extras | None = None
+    num_sequences: int | None = None
+    longest_first: bool = False
 
     def __post_init__(self):
-        n = len(self.examples)
-        if n == 0:
+        _check_hosts(self.batch_size, self.process_index, self.process_count)
+        local_lengths = example_lengths(self.examples)
+        if self.example_ids is None:
+            if self.process_count > 1 and self.num_global is None:
+                raise BatchError("several hosts: pass num_global (the global example list's length) and example_ids")
+            start = host_range(self.num_global, self.batch_size, self.process_index, self.process_count).start \
+                if self.num_global is not None else 0
+            self.example_ids = np.arange(start, start + len(self.examples))
+        ids = np.asarray(self.example_ids, np.int64)
+        if len(ids) != len(self.examples):
+            raise BatchError(f"{len(self.examples)} examples but {len(ids)} example_ids")
+        if self.num_global is None:
+            self.num_global = int(ids.max(initial=-1)) + 1
+        mine = host_range(self.num_global, self.batch_size, self.process_index, self.process_count)
+        if len(ids) and (ids.min() < mine.start or ids.max() >= mine.stop):
+            raise BatchError(f"host {self.process_index} of {self.process_count} holds examples "
+                             f"[{mine.start}, {mine.stop}) of {self.num_global} (host_range), got ids "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        self._local = {int(g): i for i, g in enumerate(ids)}
+        if self.global_lengths is not None:
+            all_ids, all_lengths = (np.asarray(a, np.int64) for a in self.global_lengths)
+        elif self.process_count > 1:
+            all_ids, all_lengths = gather_lengths(ids, local_lengths)
+        else:
+            all_ids, all_lengths = ids, local_lengths
+        order = np.argsort(all_ids, kind="stable")
+        self._ids, self._lengths = np.asarray(all_ids, np.int64)[order], np.asarray(all_lengths, np.int64)[order]
+        if len(self._ids) == 0:
             raise BatchError("no examples to batch (did the length policy drop them all?)")
-        if self.batch_size <= 0 or self.batch_size % self.process_count:
-            raise BatchError(f"global batch_size {self.batch_size} must be a positive multiple of process_count "
-                             f"{self.process_count}")
-        if not 0 <= self.process_index < self.process_count:
-            raise BatchError(f"process_index {self.process_index} not in [0, {self.process_count})")
-        if self.drop_last and n < self.batch_size:
-            raise BatchError(f"drop_last with {n} examples < batch_size {self.batch_size} leaves no batch")
-        self._lengths = np.array([max(len(s) for s in ex) for ex in self.examples])
+        if self.num_sequences is None:
+            if not len(self.examples):
+                raise BatchError("this host holds no examples: pass num_sequences (P) so it can build filler rows")
+            self.num_sequences = len(self.examples[0])
         if self.buckets is None:
             self.buckets = bucket_lengths(self.max_len or int(self._lengths.max()), self.bucket_size)
         self.buckets = tuple(sorted(self.buckets))
+        # Row r of every batch comes from chunk r: the global ids in it.
+        chunk_of = np.searchsorted(chunk_bounds(self.num_global, self.batch_size), self._ids, side="right") - 1
+        self._chunks = [np.nonzero(chunk_of == r)[0] for r in range(self.batch_size)]  # positions in _ids
+        sizes = np.array([len(c) for c in self._chunks])
+        if self.drop_last and sizes.min() == 0:
+            raise BatchError(f"drop_last with {len(self._ids)} examples over batch_size {self.batch_size} rows "
+                             "leaves no batch; use drop_last=False or a smaller batch")
+        self._steps = int(sizes.min() if self.drop_last else sizes.max())
+        self.filler_rows_per_epoch = int(np.maximum(self._steps - sizes, 0).sum())
+        self.unused_per_epoch = int(np.maximum(sizes - self._steps, 0).sum())
+        if self.filler_rows_per_epoch or self.unused_per_epoch:  # passes for inference are rebuilt often: quieter
+            log.log(logging.INFO if self.shuffle else logging.DEBUG,
+                    "batching: %d examples in %d row chunks (sizes %d..%d): %d steps per epoch, %d filler rows "
+                    "(weight 0) and %d examples left out per epoch", len(self._ids), self.batch_size,
+                    sizes.min(), sizes.max(), self._steps, self.filler_rows_per_epoch, self.unused_per_epoch)
+        self._table: tuple[int, np.ndarray] | None = None
         self._epoch, self._step = 0, 0
 
     @property
+    def num_examples(self) -> int:
+        """Examples over all hosts (after the length policy)."""
+        return len(self._ids)
+
+    @property
     def steps_per_epoch(self) -> int:
-        n = len(self.examples)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self._steps
 
     @property
     def local_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        n = len(self.examples)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+    def epoch_table(self, epoch: int) -> np.ndarray:
+        """[steps_per_epoch, batch_size] global example ids of every batch of `epoch` (-1 = filler)."""
+        if self._table is not None and self._table[0] == epoch:
+            return self._table[1]
+        table = np.full((self._steps, self.batch_size), -1, np.int64)
+        for r, chunk in enumerate(self._chunks):
+            if self.shuffle:
+                chunk = chunk[np.random.default_rng([self.seed, epoch, r]).permutation(len(chunk))]
+            elif self.longest_first:
+                chunk = chunk[np.argsort(-self._lengths[chunk], kind="stable")]
+            chunk = chunk[:self._steps]
+            table[:len(chunk), r] = self._ids[chunk]
+        self._table = (epoch, table)
+        return table
 
-    def _global_indices(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Example indices of one global batch and their weights (0 for filler)."""
-        order = self.epoch_order(epoch)
-        idx = order[step * self.batch_size:(step + 1) * self.batch_size]
-        weights = np.ones(len(idx), np.float32)
-        short = self.batch_size - len(idx)
-        if short:  # fill with real examples from the start of the order, weighted 0
-            idx = np.concatenate([idx, order[np.arange(short) % len(order)]])
-            weights = np.concatenate([weights, np.zeros(short, np.float32)])
-        return idx, weights
+    def batch_ids(self, epoch: int, step: int) -> np.ndarray:
+        """[batch_size] global example ids of global batch `step` of `epoch` (-1 = filler)."""
+        return self.epoch_table(epoch)[step]
+
+    def local_indices(self, epoch: int, step: int) -> np.ndarray:
+        """[local_batch_size] indices into `examples` of this host's rows of that batch (-1 = filler)."""
+        lo = self.process_index * self.local_batch_size
+        rows = self.batch_ids(epoch, step)[lo:lo + self.local_batch_size]
+        return np.array([self._local[int(g)] if g >= 0 else -1 for g in rows], np.int64)
+
+    def batch_length(self, epoch: int, step: int) -> int:
+        """T of that batch: the bucket of its longest sequence over all hosts (the same on every host)."""
+        ids = self.batch_ids(epoch, step)
+        real = ids[ids >= 0]
+        longest = int(self._lengths[np.searchsorted(self._ids, real)].max(initial=1))
+        return bucket_for(longest, self.buckets)
+
+    def real_rows(self, epoch: int, step: int) -> int:
+        """Real (weight-1) examples in that global batch, over all hosts."""
+        return int((self.batch_ids(epoch, step) >= 0).sum())
 
     def batch_at(self, epoch: int, step: int) -> dict[str, np.ndarray]:
-        """This process's part of global batch `step` of `epoch` (pure: no iterator state)."""
-        idx, weights = self._global_indices(epoch, step)
-        T = bucket_for(int(self._lengths[idx].max()), self.buckets)
-        lo = self.process_index * self.local_batch_size
-        local = slice(lo, lo + self.local_batch_size)
-        return collate([self.examples[i] for i in idx[local]], length=T, pad_id=self.pad_id,
-                       padding_side=self.padding_side, weights=weights[local])
+        """This host's rows of global batch `step` of `epoch` (pure: no iterator state)."""
+        idx = self.local_indices(epoch, step)
+        rows = [self.examples[i] if i >= 0 else None for i in idx]
+        extras = {name: [values[i] if i >= 0 else None for i in idx] for name, values in (self.extras or {}).items()}
+        return collate(rows, length=self.batch_length(epoch, step), pad_id=self.pad_id,
+                       padding_side=self.padding_side, extras=extras, num_sequences=self.num_sequences)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -161,16 +324,21 @@ class BatchIterator:
         return self._epoch
 
     def state(self) -> dict:
-        """JSON-serialisable position: store it with the checkpoint."""
+        """JSON-serialisable position: store it with the checkpoint. It holds no host count: the batches do
+        not depend on it, so a run resumes exactly on any number of hosts dividing the batch."""
         return {"epoch": int(self._epoch), "step": int(self._step), "seed": int(self.seed),
-                "num_examples": len(self.examples), "batch_size": int(self.batch_size),
+                "num_examples": self.num_examples, "batch_size": int(self.batch_size),
                 "shuffle": bool(self.shuffle)}
 
     def restore(self, state: dict) -> None:
         """Continue from a position saved by state(); the data and batching settings must be the same."""
+        if "step" not in state:
+            raise BatchError(f"cannot resume: the checkpoint's data position {state!r} comes from an older "
+                             "sweet_jax whose batches were ordered differently; start a new --workdir")
         for key in ("seed", "num_examples", "batch_size", "shuffle"):
             mine = self.state()[key]
             if key in state and state[key] != mine:
                 raise BatchError(f"cannot resume: the checkpoint's data position has {key}={state[key]!r} but "
-                                 f"this run has {key}={mine!r}; use the same data and batching settings")
+                                 f"this run has {key}={mine!r}; resume with the run's own config "
+                                 "(workdir/config.json) and data, or use a new --workdir")
         self._epoch, self._step = int(state["epoch"]), int(state["step"])

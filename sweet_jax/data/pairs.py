@@ -20,6 +20,20 @@ log = logging.getLogger(__name__)
 Example = tuple  # tuple[Rendered, ...] of length P
 
 
+class Examples(list):
+    """A list of examples plus `indices`: for each, the position of its source (pair, trajectory) in the input,
+    so callers know which ones the length policy dropped."""
+
+    def __init__(self, items=(), indices=()):
+        super().__init__(items)
+        self.indices = list(indices)
+
+    def append_from(self, index: int, example) -> None:
+        if example is not None:
+            self.append(example)
+            self.indices.append(index)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrajectoryPair:
     chosen: Trajectory
@@ -88,7 +102,7 @@ class RenderOptions:
 
 def pair_examples(tokenizer, pairs: Sequence[TrajectoryPair], *, with_info: bool,
                   options: RenderOptions = RenderOptions(), progress: bool = False
-                  ) -> tuple[list[Example], LengthStats]:
+                  ) -> tuple[Examples, LengthStats]:
     """(chosen, rejected) sequences for each pair; with_info=True gives the critic c (the ground truth)."""
     stats = LengthStats()
     cache: dict[int, Rendered] = {}  # the best trajectory appears in many pairs: render it once
@@ -100,27 +114,23 @@ def pair_examples(tokenizer, pairs: Sequence[TrajectoryPair], *, with_info: bool
                                              use_prerendered=options.use_prerendered)
         return cache[id(t)]
 
-    out = []
-    for p in _progress(pairs, progress, "rendering pairs"):
-        ex = fit_all((render(p.chosen), render(p.rejected)), options.max_len, overflow=options.overflow,
-                     stats=stats)
-        if ex is not None:
-            out.append(ex)
+    out = Examples()
+    for i, p in enumerate(_progress(pairs, progress, "rendering pairs")):
+        out.append_from(i, fit_all((render(p.chosen), render(p.rejected)), options.max_len,
+                                   overflow=options.overflow, stats=stats))
     stats.log("pair examples", options.max_len)
     return out, stats
 
 
 def sft_examples(tokenizer, trajectories: Sequence[Trajectory], *, options: RenderOptions = RenderOptions(),
-                 progress: bool = False) -> tuple[list[Example], LengthStats]:
+                 progress: bool = False) -> tuple[Examples, LengthStats]:
     """(sequence,) examples with every reply labelled, for rejection fine-tuning (P = 1)."""
     stats = LengthStats()
-    out = []
-    for t in _progress(trajectories, progress, "rendering trajectories"):
+    out = Examples()
+    for i, t in enumerate(_progress(trajectories, progress, "rendering trajectories")):
         r = render_trajectory(tokenizer, t, with_info=False, info_template=options.info_template,
                               info_placement=options.info_placement, use_prerendered=options.use_prerendered)
-        ex = fit_all((r,), options.max_len, overflow=options.overflow, stats=stats)
-        if ex is not None:
-            out.append(ex)
+        out.append_from(i, fit_all((r,), options.max_len, overflow=options.overflow, stats=stats))
     stats.log("sft examples", options.max_len)
     return out, stats
 
@@ -193,20 +203,18 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
 
 
 def policy_pair_examples(prompts: Sequence[Rendered], pairs: Sequence[PolicyPair], *, max_len: int | None = None,
-                         overflow: str = "truncate") -> tuple[list[Example], LengthStats]:
+                         overflow: str = "truncate") -> tuple[Examples, LengthStats]:
     """(prompt + chosen reply, prompt + rejected reply) token sequences; candidates are reply token ids.
 
     prompts[g] is the prompt of group g (render_prompt(...) or token ids); its earlier replies can be
     dropped by the length policy when it carries their reply_starts.
     """
     stats = LengthStats()
-    out = []
-    for p in pairs:
+    out = Examples()
+    for i, p in enumerate(pairs):
         prompt = prompts[p.group]
-        ex = fit_all((reply_from_tokens(prompt, p.chosen), reply_from_tokens(prompt, p.rejected)), max_len,
-                     overflow=overflow, stats=stats)
-        if ex is not None:
-            out.append(ex)
+        out.append_from(i, fit_all((reply_from_tokens(prompt, p.chosen), reply_from_tokens(prompt, p.rejected)),
+                                   max_len, overflow=overflow, stats=stats))
     stats.log("policy pair examples", max_len)
     return out, stats
 

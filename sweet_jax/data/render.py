@@ -34,6 +34,7 @@ from sweet_jax.errors import SweetJaxError
 log = logging.getLogger(__name__)
 
 OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
+OUTPUT_MARKER = "OUTPUT:"  # ColBench: an agent reply's text after this marker is what enters the dialogue
 INFO_PLACEMENTS = ("system", "first_user", "raw_prefix")
 
 
@@ -202,9 +203,25 @@ def render_dialogue(tokenizer, messages: Sequence[dict], *, info: str | None = N
     return _spans_to_rendered(tokenizer, prefix + full, [(a + off, b + off, lab) for (a, b), lab in zip(spans, labels)])
 
 
+def _reply_forms(turn: Turn, last: bool) -> list[str]:
+    """The texts a pre-rendered reply can appear as. The last one is its raw `output`, verbatim. An earlier one
+    appears in later prompts as the dialogue recorded it: `output`, or, when the agent wrote "OUTPUT:" (its
+    `output` is then "thoughts OUTPUT: reply"), only the reply: `content` / the text after the marker."""
+    forms = [turn.output.strip()]
+    if not last:
+        forms.append(turn.content.strip())
+        if OUTPUT_MARKER in turn.output:
+            forms.append(turn.output.split(OUTPUT_MARKER)[1].strip())
+    return list(dict.fromkeys(forms))
+
+
 def render_prerendered(tokenizer, turns: Sequence[Turn], *, info: str | None = None,
                        info_template: str = OFFICIAL_INFO_TEMPLATE, label: str = "all") -> Rendered:
-    """Render official turns: the last assistant turn's `input` + `output` (+ end-of-turn), info as raw prefix."""
+    """Render official turns: the last assistant turn's `input` + `output` (+ end-of-turn), info as raw prefix.
+
+    Reply k sits right after its own `input` when that is a prefix of the whole text (the usual case); it is
+    the first of its forms (_reply_forms) found there, so "OUTPUT:" or a repeated phrase inside a reply does
+    not mislead the search."""
     replies = [t for t in turns if t.role == "assistant"]
     if not replies or any(t.input is None or t.output is None for t in replies):
         raise RenderError("pre-rendered rendering needs `input` and `output` on every assistant turn")
@@ -213,14 +230,18 @@ def render_prerendered(tokenizer, turns: Sequence[Turn], *, info: str | None = N
     body = last.input + last.output
     spans, cursor = [], 0
     for k, t in enumerate(replies, start=1):
-        out = t.output.strip()
-        start = len(t.input) if body.startswith(t.input) else cursor
-        a = body.find(out, max(start, cursor))
-        if a < 0:
-            raise RenderError(f"reply {k}: its `output` is not found in the last turn's `input` + `output`; the "
-                              "turns' pre-rendered strings are inconsistent")
-        spans.append((a, a + len(out)))
-        cursor = a + len(out)
+        forms = _reply_forms(t, last=k == len(replies))
+        if body.startswith(t.input) and len(t.input) >= cursor:
+            at = len(body) - len(body[len(t.input):].lstrip())  # the template may put whitespace first
+            found = next(((at, f) for f in forms if body.startswith(f, at)), None)
+        else:  # inconsistent prompts (e.g. a history cut short): the first form found after the previous reply
+            found = min(((a, f) for f in forms if (a := body.find(f, cursor)) >= 0), default=None)
+        if found is None:
+            raise RenderError(f"reply {k}: its `output` ({t.output[:60]!r}) is not found after its `input` in the "
+                              "last turn's `input` + `output`; the turns' pre-rendered strings are inconsistent")
+        a, text = found
+        spans.append((a, a + len(text)))
+        cursor = a + len(text)
     # Make every reply end with the template's end-of-turn text: inner ones already do, the last one does not.
     text = prefix + body + _end_of_turn_text(tokenizer)
     labels = list(range(1, len(spans) + 1)) if label == "all" else [0] * (len(spans) - 1) + [1]

@@ -265,10 +265,19 @@ def load_trajectories(path, *, skip_bad: bool = False) -> Loaded:
 
 
 def write_jsonl(path, records) -> None:
+    """Records (objects with .to_json() or dicts), one JSON object a line, written atomically: to a temporary
+    file beside `path`, then renamed over it, so a reader (or a crash) never sees half a file."""
     from etils import epath
 
     p = epath.Path(os.fspath(path))
     p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("w") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json() if hasattr(r, "to_json") else r) + "\n")
+    tmp = p.parent / f".{p.name}.tmp{os.getpid()}"
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r.to_json() if hasattr(r, "to_json") else r, ensure_ascii=False) + "\n")
+        tmp.replace(p)  # os.replace locally; a rename on object stores
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
