@@ -1,13 +1,22 @@
 """Critic train step (forward, Bradley-Terry loss, backward, AdamW): sweet_jax vs transformers + PyTorch eager.
 
-    python bench/bench_train_step.py                    # ~60M-param Llama, 2 pairs x 2 x 512 tokens, float32 CPU
-    python bench/bench_train_step.py --steps 5 --layers 4
+    python bench/bench_train_step.py --steps 3          # ~58M-param Llama, 2 pairs x 2 x 512 tokens, float32 CPU
+    python bench/bench_train_step.py --steps 3 --jax-variant attn=xla --torch-variant logp=ce   # A/B extra sides
 
 Both sides run the same model (the PyTorch model's random weights are loaded into ours through save_pretrained
 / load_hf), the same loss (per-turn-mean advantages vs precomputed reference log-probs, -log sigmoid(beta*(S+ -
-S-))), clip 1.0 and AdamW (b1 .9, b2 .95, wd 0). Each framework runs in its own process so peak RSS is its own;
-the float32 matmul peak of this CPU is measured in the same run (the better of JAX and PyTorch on a 2048^3
-matmul) and MFU = model FLOPs (6 x matmul params + attention, per token) / step time / that peak.
+S-))), clip 1.0 and AdamW (b1 .9, b2 .95, wd 0), and take the same number of steps (so the final losses must
+agree). Every side lives in its own process (so peak RSS is its own) and is compiled / warmed up first; then the
+parent runs the timed steps interleaved, one step of each side per round in a rotating order, so both sides
+see the same machine load. A third process measures the float32 matmul peak in every round (2048^3, the
+better of JAX with the same XLA flags and PyTorch); MFU = model FLOPs (6 x matmul params + 12 x layers x
+heads x head_dim x T per token, PaLM's convention: no recompute, causal mask not discounted) / step time /
+that peak.
+
+Variant specs are comma-separated key=value pairs:
+  jax:   attn=auto|xla|blocked|chunked  remat=none|full|dots_saveable  chunk=512 (log-prob chunk)
+         block=128 (attention_block_size)  xla_flags='--xla_...'
+  torch: attn=sdpa|eager  logp=gather|ce  adamw=fused|foreach|loop  threads=0 (0: torch's default, = cores)
 """
 from __future__ import annotations
 
@@ -23,11 +32,18 @@ import time
 import numpy as np
 
 GiB = 1024 ** 3
+JAX_DEFAULT = dict(attn="auto", remat="none", chunk="512", block="128", xla_flags="")
+TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0")
 
 
-def model_kwargs(a):
-    return dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
-                num_heads=a.heads, num_kv_heads=a.kv_heads)
+def parse_spec(text: str, defaults: dict) -> dict:
+    spec = dict(defaults)
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in defaults:
+            sys.exit(f"bad variant item {item!r}: expected key=value with key in {sorted(defaults)}")
+        spec[key] = value
+    return spec
 
 
 def make_batch(a):
@@ -56,56 +72,48 @@ def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def time_steps(run_step, n):
-    run_step()  # compile / warm up
-    run_step()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        run_step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), times
+# ---- the sides: prepare (load, compile, one warm-up step) and return a function running one step ----
 
-
-# ---- JAX ----
-
-def run_jax(a, path):
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def prepare_jax(a, path, spec):
     import jax
-    import jax.numpy as jnp
     from sweet_jax import steps
     from sweet_jax.models import load_hf
+    from sweet_jax.models.llama import resolve_attention_impl
 
-    model = load_hf(path, config_overrides=dict(attention_impl="xla", remat=a.remat))
+    model = load_hf(path, config_overrides=dict(attention_impl=spec["attn"], remat=spec["remat"],
+                                                attention_block_size=int(spec["block"])))
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
-    step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=a.chunk)
-    batch = {k: jnp.asarray(v) for k, v in make_batch(a).items()}
-    holder = {"state": state}
+    step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=int(spec["chunk"]))
+    batch = {k: jax.device_put(v) for k, v in make_batch(a).items()}
     compiled = step.lower(state, batch).compile()
-    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    holder = {"state": state}
 
     def run():
         holder["state"], m = compiled(holder["state"], batch)
-        jax.block_until_ready(m)
-        holder["loss"] = float(m["loss"])
+        return {"loss": float(jax.block_until_ready(m)["loss"])}
 
-    median, times = time_steps(run, a.steps)
-    return dict(seconds=median, times=times, peak_rss=peak_rss(), loss0=None, loss=holder["loss"],
-                xla_temps=mem.temp_size_in_bytes, xla_args=mem.argument_size_in_bytes,
-                flops_per_token=model.config.flops_per_token(a.seq), num_params=model.config.num_params())
+    run()  # warm-up: first execution allocates
+    info = dict(flops_per_token=model.config.flops_per_token(a.seq), num_params=model.config.num_params(),
+                xla_temps=compiled.memory_analysis().temp_size_in_bytes, xla_flops=cost.get("flops", 0.0),
+                attention=resolve_attention_impl(model.config, a.seq))
+    return run, info
 
 
-# ---- PyTorch ----
-
-def run_torch(a, path):
+def prepare_torch(a, path, spec):
     import torch
+    import torch.nn.functional as F
     import transformers
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32,
-                                                          attn_implementation=a.torch_attn)
+    if int(spec["threads"]):
+        torch.set_num_threads(int(spec["threads"]))
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation=spec["attn"])
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    adamw = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}[spec["adamw"]]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, **adamw)
     b = {k: torch.from_numpy(v) for k, v in make_batch(a).items()}
     B, P, T = b["input_ids"].shape
     ids = b["input_ids"].reshape(B * P, T).long()
@@ -113,54 +121,104 @@ def run_torch(a, path):
     turns = b["turn_ids"].reshape(B * P, T)
     ref = b["ref_logp"].reshape(B * P, T)
     K = int(turns.max())
-    holder = {}
+    turn_masks = [(turns == k).float() for k in range(1, K + 1)]
 
     def run():
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()  # [N, T, V] as the official trainer
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        logp = torch.nn.functional.pad(logp, (1, 0))
-        delta = logp - ref
-        score = torch.zeros(B * P)
-        for k in range(1, K + 1):
-            m = (turns == k).float()
-            score = score + (delta * m).sum(1) / m.sum(1).clamp(min=1)
-        score = score.reshape(B, P)
-        loss = -torch.nn.functional.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).mean()
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [N, T, V] float32
+        if spec["logp"] == "ce":
+            logp = -F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                    reduction="none").view(B * P, T - 1)
+        else:
+            logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        delta = F.pad(logp, (1, 0)) - ref
+        score = sum((delta * m).sum(1) / m.sum(1).clamp(min=1) for m in turn_masks).reshape(B, P)
+        loss = -F.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        holder["loss"] = float(loss)
+        return {"loss": float(loss)}
 
-    median, times = time_steps(run, a.steps)
-    return dict(seconds=median, times=times, peak_rss=peak_rss(), loss=holder["loss"],
-                threads=torch.get_num_threads())
+    run()  # warm-up
+    return run, dict(threads=torch.get_num_threads())
 
 
-# ---- float32 matmul peak ----
-
-def matmul_peak(n=2048, reps=5):
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def prepare_peak(a, path, spec, n=2048, reps=3):
+    """Each call: the best of `reps` 2048^3 float32 matmuls in JAX (same XLA flags as the jax side) and torch."""
     import jax
     import jax.numpy as jnp
     import torch
-    out = {}
     x = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
-    f(x).block_until_ready()
-    best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(reps))
-    out["jax"] = 2 * n ** 3 / best
     t = torch.ones((n, n), dtype=torch.float32)
-    t @ t
-    best = min(_timed(lambda: t @ t) for _ in range(reps))
-    out["torch"] = 2 * n ** 3 / best
-    return out
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 2 * n ** 3 / min(times)
+
+    def run():
+        return {"jax": best(lambda: f(x).block_until_ready()), "torch": best(lambda: t @ t)}
+
+    return run, {}
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def child_main(a):
+    kind, spec = a._child, json.loads(a._spec)
+    if kind in ("jax", "peak"):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    prepare = {"jax": prepare_jax, "torch": prepare_torch, "peak": prepare_peak}[kind]
+    run, info = prepare(a, a._path, spec)
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            t0 = time.perf_counter()
+            out = run()
+            print("DONE " + json.dumps(dict(seconds=time.perf_counter() - t0, **out)), flush=True)
+        else:
+            break
+    print("RESULT " + json.dumps(dict(peak_rss=peak_rss())), flush=True)
+
+
+# ---- the parent: start every side, then interleave their timed steps ----
+
+class Side:
+    def __init__(self, name, kind, spec, a, path, logdir):
+        self.name, self.kind, self.spec = name, kind, spec
+        env = dict(os.environ)
+        if kind in ("jax", "peak") and spec.get("xla_flags"):
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + spec["xla_flags"]).strip()
+        self.log = open(os.path.join(logdir, f"{name}.log"), "w+")
+        cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--_path", path,
+               "--_spec", json.dumps(spec)] + a.forward
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env)
+        self.times, self.results = [], []
+
+    def expect(self, prefix):
+        for line in self.proc.stdout:
+            if line.startswith(prefix + " "):
+                return json.loads(line[len(prefix) + 1:])
+        self.log.seek(0)
+        sys.exit(f"side {self.name} ({self.kind}) died:\n{self.log.read()[-4000:]}")
+
+    def step(self):
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        out = self.expect("DONE")
+        self.times.append(out["seconds"])
+        self.results.append(out)
+        return out
+
+    def finish(self):
+        self.proc.stdin.write("exit\n")
+        self.proc.stdin.flush()
+        self.final = self.expect("RESULT")
+        self.proc.wait()
 
 
 def main():
@@ -173,46 +231,77 @@ def main():
     ap.add_argument("--kv_heads", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=2, help="pairs per step (x2 sequences)")
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--chunk", type=int, default=512, help="sweet_jax log-prob chunk size")
-    ap.add_argument("--remat", default="none")
-    ap.add_argument("--torch_attn", default="sdpa", help="transformers attn_implementation: sdpa | eager")
+    ap.add_argument("--steps", type=int, default=3, help="timed rounds (each side: 1 warm-up step + these)")
+    ap.add_argument("--jax", default="", help="the sweet_jax side's spec (see above); default attn=auto")
+    ap.add_argument("--torch", default="", help="the PyTorch side's spec; default attn=sdpa,logp=gather,adamw=fused,threads=0")
+    ap.add_argument("--jax-variant", action="append", default=[], help="an extra sweet_jax side (repeatable)")
+    ap.add_argument("--torch-variant", action="append", default=[], help="an extra PyTorch side (repeatable)")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_spec", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args()
-
+    a.forward = [f"--{k}={getattr(a, k)}" for k in ("vocab", "hidden", "intermediate", "layers", "heads",
+                                                   "kv_heads", "pairs", "seq")]
     if a._child:
-        fn = {"jax": run_jax, "torch": run_torch, "peak": lambda a, p: matmul_peak()}[a._child]
-        print("RESULT " + json.dumps(fn(a, a._path)))
+        child_main(a)
         return
 
+    jax_spec = parse_spec(a.jax, JAX_DEFAULT)
+    sides_def = [("sweet_jax", "jax", jax_spec), ("torch", "torch", parse_spec(a.torch, TORCH_DEFAULT)),
+                 ("peak", "peak", dict(xla_flags=jax_spec["xla_flags"]))]
+    sides_def += [(f"sweet_jax[{v}]", "jax", parse_spec(v, jax_spec)) for v in a.jax_variant]
+    sides_def += [(f"torch[{v}]", "torch", parse_spec(v, parse_spec(a.torch, TORCH_DEFAULT)))
+                  for v in a.torch_variant]
+    load0, t_start = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        save_hf_model(a, tmp)
-        results = {}
-        for child in ("peak", "jax", "torch"):
-            cmd = [sys.executable, __file__, "--_child", child, "--_path", tmp] + sys.argv[1:]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-            if out.returncode or not lines:
-                sys.exit(f"{child} run failed:\n{out.stderr[-3000:]}")
-            results[child] = json.loads(lines[-1][len("RESULT "):])
+        model_dir = os.path.join(tmp, "model")
+        save_hf_model(a, model_dir)
+        sides = [Side(name, kind, spec, a, model_dir, tmp) for name, kind, spec in sides_def]
+        infos = {s.name: s.expect("READY") for s in sides}  # all compile / warm up concurrently, untimed
+        for r in range(a.steps):
+            k = r % len(sides)
+            for s in sides[k:] + sides[:k]:  # rotate who goes first
+                s.step()
+                print(f"round {r + 1}/{a.steps} {s.name}: {s.times[-1]:.2f}s", file=sys.stderr, flush=True)
+        for s in sides:
+            s.finish()
+    load1 = os.getloadavg()
 
-    j, t, peak = results["jax"], results["torch"], results["peak"]
+    by_name = {s.name: s for s in sides}
+    j, t, peak = by_name["sweet_jax"], by_name["torch"], by_name["peak"]
+    peak_jax = max(r["jax"] for r in peak.results)
+    peak_torch = max(r["torch"] for r in peak.results)
+    peak_flops = max(peak_jax, peak_torch)
+    ji = infos["sweet_jax"]
     tokens = a.pairs * 2 * a.seq
-    flops = j["flops_per_token"] * tokens
-    peak_flops = max(peak.values())
-    print(f"critic step, {j['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
+    flops = ji["flops_per_token"] * tokens
+    attn_flops = 12 * a.layers * a.hidden * a.seq * tokens  # heads x head_dim = hidden here
+    print(f"critic step, {ji['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
           f"{a.vocab}), {a.pairs} pairs x 2 x {a.seq} tokens, float32, CPU with {os.cpu_count()} cores "
-          f"(torch threads {t['threads']})")
-    print(f"float32 matmul peak (2048^3): jax {peak['jax'] / 1e9:.1f} GFLOP/s, torch {peak['torch'] / 1e9:.1f} "
-          f"GFLOP/s -> peak {peak_flops / 1e9:.1f} GFLOP/s; model FLOPs per step {flops / 1e9:.1f} G\n")
-    print("| | step s (median) | tokens/s | peak RSS GiB | MFU vs measured peak | final loss |")
-    print("|---|---|---|---|---|---|")
-    for name, r in (("sweet_jax (jit)", j), ("transformers + torch eager", t)):
-        print(f"| {name} | {r['seconds']:.3f} | {tokens / r['seconds']:.0f} | {r['peak_rss'] / GiB:.2f} | "
-              f"{100 * flops / r['seconds'] / peak_flops:.1f}% | {r['loss']:.4f} |")
-    print(f"\nsweet_jax / torch tokens/s: {t['seconds'] / j['seconds']:.2f}x (target >= 1.5x); "
-          f"peak RSS ratio {j['peak_rss'] / t['peak_rss']:.2f}; XLA temps {j['xla_temps'] / GiB:.2f} GiB")
+          f"(torch threads {infos['torch']['threads']}); {a.steps} interleaved rounds after 1 warm-up step each")
+    print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; {time.time() - t_start:.0f} s in all")
+    print(f"float32 matmul peak (2048^3, best over rounds): jax {peak_jax / 1e9:.1f} GFLOP/s, torch "
+          f"{peak_torch / 1e9:.1f} GFLOP/s -> peak {peak_flops / 1e9:.1f} GFLOP/s; model FLOPs per step "
+          f"{flops / 1e9:.1f} G (XLA's count of the compiled step: {ji['xla_flops'] / 1e9:.1f} G)\n")
+    print("| side | spec | step s (median) | tokens/s | peak RSS GiB | MFU vs measured peak | final loss |")
+    print("|---|---|---|---|---|---|---|")
+    for s in sides:
+        if s.kind == "peak":
+            continue
+        med = float(np.median(s.times))
+        spec = ",".join(f"{k}={v}" for k, v in s.spec.items() if v != "")
+        if s.kind == "jax":
+            spec += f" ({infos[s.name]['attention']} attention)"
+        print(f"| {s.name} | {spec} | {med:.3f} | {tokens / med:.0f} | {s.final['peak_rss'] / GiB:.2f} | "
+              f"{100 * flops / med / peak_flops:.1f}% | {s.results[-1]['loss']:.4f} |")
+    per_round = [tt / jj for tt, jj in zip(t.times, j.times)]
+    jmed = float(np.median(j.times))
+    print(f"\nsweet_jax / torch tokens/s: {float(np.median(per_round)):.2f}x (median of per-round ratios "
+          f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= 1.5x); "
+          f"MFU {100 * flops / jmed / peak_flops:.1f}% (target >= 50%; "
+          f"{100 * (flops - attn_flops / 2) / jmed / peak_flops:.1f}% counting only the causal half of attention)")
+    print(f"peak RSS ratio {j.final['peak_rss'] / t.final['peak_rss']:.2f}; XLA temps "
+          f"{ji['xla_temps'] / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":

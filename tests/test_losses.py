@@ -160,6 +160,33 @@ def test_chunked_logprobs_never_build_full_float32_logits():
     assert chunked < full_logits / 4, (chunked, full_logits)
 
 
+def test_single_chunk_logprobs_keep_logits_for_backward_instead_of_recomputing():
+    # One chunk holds all the logits anyway, so the backward reuses them: 3 unembedding matmuls, not 4.
+    B, T, D, V = 1, 65, 16, 4096
+    args = (jax.ShapeDtypeStruct((B, T, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32))
+    grad = jax.jit(jax.grad(lambda h, w, i: losses.token_logprobs(h, w, i, chunk_size=T).sum(), argnums=(0, 1)))
+    cost = grad.lower(*args).compile().cost_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    matmul = 2 * B * (T - 1) * D * V
+    assert 3 * matmul <= flops < 3.5 * matmul, flops / matmul
+
+
+def test_bf16_logprob_gradients_keep_dtypes_and_match_naive():
+    rng = np.random.default_rng(12)
+    h = jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(8, 11)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, 11, (2, 9)), jnp.int32)
+    naive = lambda h, w: losses.token_logprobs_naive(  # noqa: E731
+        jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), ids).sum()
+    want = jax.grad(naive, argnums=(0, 1))(h, w)
+    for chunk in (3, 64):
+        got = jax.grad(lambda h, w: losses.token_logprobs(h, w, ids, chunk_size=chunk).sum(), argnums=(0, 1))(h, w)
+        for g, n in zip(got, want):
+            assert g.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(n, np.float32), rtol=0.02, atol=0.02)
+
+
 def test_bt_loss_matches_numpy_with_padding_examples():
     rng = np.random.default_rng(6)
     s_pos, s_neg = rng.normal(size=5).astype(np.float32), rng.normal(size=5).astype(np.float32)
