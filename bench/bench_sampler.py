@@ -1,57 +1,106 @@
-"""Sampler throughput: sweet_jax's KV-cache sampler vs transformers' generate, same model, same run.
+"""Sampler throughput: sweet_jax's KV-cache sampler vs transformers' generate, same models, same run.
 
-    python bench/bench_sampler.py                       # CPU: batch 8, 256 new tokens, ~25M-param Llama
-    python bench/bench_sampler.py --preset 1b --dtype bfloat16 --batch 64   # with jax[cuda] on a GPU
+    python bench/bench_sampler.py                          # CPU table over model sizes (a few minutes)
+    python bench/bench_sampler.py --rows small             # only the 24M target row
+    python bench/bench_sampler.py --rows 1b --dtype bfloat16 --skip-hf   # with jax[cuda] / jax[tpu]
 
-Both sides decode greedily with the same weights (a random HF LlamaForCausalLM saved once and loaded into
-ours with sweet_jax.models.load_hf), every row forced to the full number of new tokens (eos ignored), after
-one warm-up call each (compilation / allocator warm-up excluded from the timings). JAX runs on its default
-backend (CPU here; GPU/TPU with jax[cuda] / jax[tpu], unchanged); transformers on CUDA when torch sees one.
-The table also reports how many rows produced identical greedy tokens on both sides.
+Rows (--rows, comma-separated; `all` = every CPU row):
+  demo      the demo pipeline's policy (configs/pipeline.py:demo: hidden 64, 2 layers, tied, vocab 4096),
+            batch 8, 256 new tokens, greedy
+  demo_t1   the same model as the demo samples it: batch 64, 96 new tokens, temperature 1.0 (full softmax),
+            prompts of 128-256 tokens
+  mid       a 4.6M Llama (hidden 128, 4 layers, vocab 16k), batch 8, 256 new tokens, greedy
+  small     the target row: 24.3M Llama (hidden 256, 8 layers, GQA, vocab 32k), batch 8, 256 new, greedy
+  small_b32 the same model at batch 32 (the weights read once per step serve 4x the rows)
+
+Each row builds a random HF LlamaForCausalLM, saves it and loads it into ours with sweet_jax.models.load_hf, so
+both sides run the same float32 weights; every row is forced to the full number of new tokens (eos ignored).
+After one warm-up call per side (compilation, allocator), timed calls alternate ours / theirs (--repeats
+each; best reported) so both see the same background load; the load average is sampled after every timed
+call and the row reports the mean. Greedy rows also count rows with tokens identical to transformers'.
+The roofline line: bytes a decode step must read (weights used per token: every matmul kernel, the
+unembedding, and the attended K/V slots) over the measured read bandwidth of this machine.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 import time
 
-PRESETS = {
-    # ~25M parameters: 8 layers, GQA, 32k vocab (a small Llama-2-like tokenizer size).
-    "small": dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4),
-    # ~1.2B: Llama-3.2-1B shapes (for a GPU/TPU run).
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    hf: dict              # transformers.LlamaConfig fields
+    batch: int = 8
+    new_tokens: int = 256
+    prompt_len: tuple[int, int] = (16, 32)  # prompt lengths drawn in [lo, hi]
+    temperature: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+DEMO = dict(vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+MID = dict(vocab_size=16384, hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2)
+SMALL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4)
+ROWS = {
+    "demo": Row(DEMO),
+    "demo_t1": Row(DEMO, batch=64, new_tokens=96, prompt_len=(128, 256), temperature=1.0),
+    "mid": Row(MID),
+    "small": Row(SMALL),
+    "small_b32": Row(SMALL, batch=32),
+    # Llama-3.2-1B shapes, for an accelerator run (--skip-hf --dtype bfloat16).
+    "1b": Row(dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True), batch=64),
 }
+CPU_ROWS = ("demo", "demo_t1", "mid", "small", "small_b32")
 
 
-def build_hf_checkpoint(path: str, preset: str, seed: int = 0) -> None:
+def build_hf_checkpoint(path: str, hf_fields: dict, seed: int = 0) -> None:
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=1,
-                                      eos_token_id=2, **PRESETS[preset])
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
+                                      eos_token_id=2, **hf_fields)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt; rows vary 1/2x..1x")
-    parser.add_argument("--dtype", default="float32", help="compute/param dtype for both sides")
-    parser.add_argument("--attention-impl", default="xla", choices=["xla", "cudnn", "auto"],
-                        help="ours: the model's attention implementation (xla runs everywhere)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed calls per side (best is reported)")
-    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--skip-hf", action="store_true", help="time only sweet_jax (e.g. a 1B model on a TPU)")
-    args = parser.parse_args()
+def read_bandwidth_gbs() -> float:
+    """Best of a few passes summing a 256 MB float32 array with jax (all cores), in GB/s."""
+    import jax
+    import jax.numpy as jnp
 
+    x = jnp.ones((64 << 20,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best / 1e9
+
+
+def step_bytes(config, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes one decode step reads, averaged over the steps: every weight used per token (the embedding row
+    gather aside) plus the K/V slots attended (prompt + half the new tokens on average)."""
+    c = config
+    matmul = c.num_params() - c.vocab_size * c.hidden_size + (c.vocab_size * c.hidden_size if c.tie_word_embeddings
+                                                              else 0)
+    itemsize = 2 if c.param_dtype == "bfloat16" else 4
+    kv = 2 * c.num_layers * batch * c.num_kv_heads * c.head_dim * (prompt_len + new_tokens / 2) * itemsize
+    return matmul * itemsize + kv
+
+
+def run_row(name: str, row: Row, args) -> dict:
     import jax
     import numpy as np
     import torch
@@ -59,23 +108,23 @@ def main() -> None:
     from sweet_jax.generate import Sampler
     from sweet_jax.models import load_hf
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     rng = np.random.default_rng(0)
-    V = PRESETS[args.preset]["vocab_size"]
-    lengths = [int(x) for x in rng.integers(max(args.prompt_len // 2, 1), args.prompt_len + 1, size=args.batch)]
+    V = row.hf["vocab_size"]
+    lo, hi = row.prompt_len
+    lengths = [int(x) for x in rng.integers(lo, hi + 1, size=row.batch)]
     prompts = [rng.integers(3, V, size=n).tolist() for n in lengths]
-    total_new = args.batch * args.new_tokens
+    total_new = row.batch * row.new_tokens
+    loads: dict[str, list[float]] = {"ours": [], "hf": []}
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_hf_checkpoint(tmp, args.preset)
+        build_hf_checkpoint(tmp, row.hf)
         model = load_hf(tmp, dtype=args.dtype, config_overrides={"dtype": args.dtype,
                                                                    "attention_impl": args.attention_impl})
-        sampler = Sampler(model, max_batch_size=max(args.batch, 1))
-        n_params = model.config.num_params()
+        sampler = Sampler(model, max_batch_size=row.batch)
 
         def ours():
-            out = sampler.generate(prompts, max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+            out = sampler.generate(prompts, max_new_tokens=row.new_tokens, temperature=row.temperature,
+                                   ignore_eos=True, seed=0)
             return [g[0].token_ids for g in out]
 
         sides = {"ours": ours}
@@ -83,55 +132,96 @@ def main() -> None:
             import transformers
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            hf = transformers.LlamaForCausalLM.from_pretrained(tmp, torch_dtype=getattr(torch, args.dtype))
+            hf = transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=getattr(torch, args.dtype))
             hf = hf.to(device).eval()
             width = max(lengths)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+            sampling = (dict(do_sample=False) if row.greedy else
+                        dict(do_sample=True, temperature=row.temperature, top_k=0, top_p=1.0))
 
             def theirs():
                 with torch.inference_mode():
-                    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                      pad_token_id=0)
+                    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=row.new_tokens,
+                                      min_new_tokens=row.new_tokens, pad_token_id=0, **sampling)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 return out[:, width:].tolist()
 
             sides["hf"] = theirs
 
-        first, best, tokens = {}, {name: float("inf") for name in sides}, {}
-        for name, fn in sides.items():  # warm-up: compilation, allocator
+        first, best, tokens = {}, {side: float("inf") for side in sides}, {}
+        for side, fn in sides.items():  # warm-up: compilation, allocator
             start = time.perf_counter()
-            tokens[name] = fn()
-            first[name] = time.perf_counter() - start
+            tokens[side] = fn()
+            first[side] = time.perf_counter() - start
         for _ in range(args.repeats):  # interleaved, so both sides see the same background load
-            for name, fn in sides.items():
+            for side, fn in sides.items():
                 start = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[side] = min(best[side], time.perf_counter() - start)
+                loads[side].append(os.getloadavg()[0])
 
-        rows = [("sweet_jax (jit prefill + while_loop decode)", jax.default_backend(), total_new / best["ours"],
-                 best["ours"], first["ours"])]
-        match = None
-        if "hf" in sides:
-            rows.append((f"transformers {transformers.__version__} generate (torch {torch.__version__})", device,
-                         total_new / best["hf"], best["hf"], first["hf"]))
-            match = sum(a == b for a, b in zip(tokens["ours"], tokens["hf"]))
+    result = dict(name=name, row=row, params=model.config.num_params(), config=model.config,
+                  prompt_mean=float(np.mean(lengths)), backend=jax.default_backend(),
+                  ours_tps=total_new / best["ours"], ours_first=first["ours"],
+                  ours_load=float(np.mean(loads["ours"])))
+    if "hf" in sides:
+        result.update(hf_tps=total_new / best["hf"], hf_first=first["hf"], hf_load=float(np.mean(loads["hf"])),
+                      identical=(sum(a == b for a, b in zip(tokens["ours"], tokens["hf"])) if row.greedy else None))
+    print(f"  {name}: ours {result['ours_tps']:.0f} tok/s"
+          + (f", transformers {result['hf_tps']:.0f} tok/s" if "hf" in sides else "")
+          + f" (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    return result
 
-    print(f"\nSampler throughput: {args.preset} Llama ({n_params / 1e6:.1f}M params, {args.dtype}), batch "
-          f"{args.batch}, prompts {min(lengths)}-{max(lengths)} tokens (left-padded), {args.new_tokens} new tokens "
-          f"greedy, eos ignored; best of {args.repeats} after a warm-up call. jax devices: {jax.devices()}; "
-          f"torch threads: {torch.get_num_threads()}; host cores: {os.cpu_count()}; load average at the end: "
-          f"{os.getloadavg()[0]:.1f} (other processes share the cores: compare ratios within one run)")
-    base = rows[-1][2]
-    print(f"| {'implementation':<58} | {'device':<6} | {'tokens/s':>10} | {'time s':>7} | {'first call s':>12} |"
-          f" {'ratio':>6} |")
-    print(f"|{'-' * 60}|{'-' * 8}|{'-' * 12}|{'-' * 9}|{'-' * 14}|{'-' * 8}|")
-    for name, device, tps, secs, first in rows:
-        print(f"| {name:<58} | {device:<6} | {tps:>10.1f} | {secs:>7.2f} | {first:>12.2f} | {tps / base:>5.2f}x |")
-    if match is not None:
-        print(f"greedy rows token-identical to transformers: {match}/{args.batch}")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="all", help=f"comma-separated of {sorted(ROWS)}; all = {','.join(CPU_ROWS)}")
+    parser.add_argument("--dtype", default="float32", help="param and compute dtype of both sides")
+    parser.add_argument("--attention-impl", default="auto", choices=["xla", "cudnn", "auto", "blocked", "chunked"],
+                        help="ours: the model's attention implementation for the prompt (the prefill); decoding "
+                             "always reads the heads-major cache directly (auto: the model's default)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per side (best is reported)")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--skip-hf", action="store_true", help="time only sweet_jax (e.g. a 1B model on a TPU)")
+    args = parser.parse_args()
+    names = CPU_ROWS if args.rows == "all" else tuple(args.rows.split(","))
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {sorted(ROWS)}")
+
+    import jax
+    import torch
+    import transformers
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    bandwidth = read_bandwidth_gbs()
+    results = [run_row(name, ROWS[name], args) for name in names]
+
+    print(f"\nSampler throughput, sweet_jax (jit prefill + one compiled while_loop per cache window) vs transformers "
+          f"{transformers.__version__} generate (torch {torch.__version__}, {torch.get_num_threads()} threads), "
+          f"{args.dtype}, eos ignored, best of {args.repeats} interleaved calls after a warm-up call each. "
+          f"jax backend: {jax.default_backend()}, host cores: {os.cpu_count()}. Load averages (1 min) are the "
+          f"means over each side's timed calls; other processes share the cores, so compare within a row.")
+    print(f"Measured read bandwidth (jnp.sum of 256 MB, best of 5): {bandwidth:.1f} GB/s.")
+    head = ("| row | params | batch | new | mode | sweet_jax tok/s (load) | transformers tok/s (load) | ratio "
+            "| identical | step floor ms (bytes/bandwidth) | sweet_jax step ms |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in results:
+        row: Row = r["row"]
+        mode = "greedy" if row.greedy else f"T={row.temperature:g}"
+        floor_ms = step_bytes(r["config"], row.batch, r["prompt_mean"], row.new_tokens) / (bandwidth * 1e9) * 1e3
+        step_ms = row.batch / r["ours_tps"] * 1e3
+        hf = (f"{r['hf_tps']:.0f} ({r['hf_load']:.1f})", f"**{r['ours_tps'] / r['hf_tps']:.2f}x**",
+              "-" if r["identical"] is None else f"{r['identical']}/{row.batch}") if "hf_tps" in r else ("-",) * 3
+        print(f"| {r['name']} | {r['params'] / 1e6:.1f}M | {row.batch} | {row.new_tokens} | {mode} "
+              f"| {r['ours_tps']:.0f} ({r['ours_load']:.1f}) | {hf[0]} | {hf[1]} | {hf[2]} | {floor_ms:.2f} "
+              f"| {step_ms:.2f} |")
+    first = ", ".join(f"{r['name']} {r['ours_first']:.1f}/{r.get('hf_first', float('nan')):.1f}" for r in results)
+    print(f"first call (compile / warm-up) s, ours/transformers: {first}")
     sys.stdout.flush()
 
 

@@ -22,6 +22,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"   # storage dtype of the trained parameters
     c.model.remat = "none"            # none | full | dots_saveable
     c.model.attention_impl = "xla"    # xla | cudnn | chunked | blocked | auto (see models/llama.py)
+    c.model.attention_chunk_size = 512  # query rows per block of attention_impl="chunked"
+    c.model.scan_layers = False       # stacked decoder layers under jax.lax.scan (one layer compiled, not 32/80)
+    c.model.sequence_parallel = False  # residual stream between layers split over 'tensor' along tokens
 
     c.data = ml_collections.ConfigDict()
     c.data.trajectories = ""          # ColBench trajectories JSONL; '' = bundled demo trajectories
@@ -69,6 +72,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices
     return c
+
+
+def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:
+    """The LlamaConfig fields a training config sets (compute/storage dtypes, remat, attention, layer layout),
+    shared by sweet_jax.train and sweet_jax.plan so that the planned step is the trained one."""
+    from sweet_jax.sharding import residual_sharding
+    m = config.model
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
+                scan_layers=bool(m.scan_layers),
+                residual_sharding=residual_sharding(sequence_parallel=True) if m.sequence_parallel else None)
 
 
 def paper_8b(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

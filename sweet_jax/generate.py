@@ -6,14 +6,23 @@
 
 How a batch runs:
 1. Prompts are tokenized and left-padded to a bucketed length P (few distinct shapes, few compiles).
-2. Prefill (jit): the prompts fill a fresh cache of P + N_new slots; the logits of each prompt's last token
-   are kept. The prompt rows are then gathered into sample rows (n per prompt), so n samples of one prompt
-   share its prefill.
-3. Decode (jit, `lax.while_loop`): sample a token from the current logits, record its log-prob, stop the row
-   on a stop token id or its max_new_tokens, run the model on the new token. The loop leaves as soon as
-   every row is done. Stop *strings* need decoded text, so when a request has any, the loop runs in chunks
-   of `stop_check_every` tokens and Python checks the text between chunks (output truncated before the stop
-   string).
+2. Prefill (jit): the prompts fill a fresh heads-major cache ([B, kv_heads, slots, head_dim], see
+   Llama.init_cache) sized to the first decode window; the logits of each prompt's last token are kept. The
+   prompt rows are then gathered into sample rows (n per prompt), so n samples of one prompt share its prefill.
+3. Decode (jit, `lax.while_loop`, the cache donated and updated in place): sample a token from the current
+   logits, record its log-prob, stop the row on a stop token id or its max_new_tokens, run the model on the
+   new token. The loop leaves as soon as every row is done. The new tokens' slots are cut into up to 4
+   windows (`decode_windows`): each window is one compiled loop attending over the cache up to its end, the
+   cache grown between windows, so a step reads the filled part of the cache rather than all of it. The
+   windows are dispatched back to back without a host sync. Stop *strings* need decoded text, so when a
+   request has any, the loop also stops every `stop_check_every` tokens and Python checks the text (output
+   truncated before the stop string).
+
+Where a decode step's time goes (CPU, batch 8, the 24M bench model): reading the weights (64 MB a step, half
+of it the unembedding) and the attended K/V; see BENCHMARKS.md "Sampler" for the roofline. Hence: no cache
+transpose per step (heads-major layout), vocabulary-wide work limited to one matmul plus max / sum reductions
+(first_argmax, token_logprob, inverse_cdf_draw: no argmax reduction, no [N, V] log-softmax or random numbers),
+and the unembedding split in column blocks that run on all cores (_split_unembedding).
 
 Log-probs: `Sample.logprobs[i]` is log p_model(token_i | prefix): the log-softmax of the model's raw logits,
 i.e. the model's distribution at temperature 1.0 with no top-k / top-p filtering, whatever temperature was
@@ -110,6 +119,14 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return -(-n // 1024) * 1024
 
 
+def decode_windows(prompt_width: int, new_width: int, *, min_window: int = 64, max_windows: int = 4) -> list[int]:
+    """Cache sizes the decode loop steps through as it fills: up to max_windows equal spans of the new tokens
+    (each >= min_window tokens), the last one the whole cache. A step attends over its window only, so the
+    cache bytes read per step track the filled prefix (a compiled loop per window, a handful per shape)."""
+    n = max(1, min(max_windows, new_width // min_window))
+    return [prompt_width + -(-new_width * (i + 1) // n) for i in range(n)]
+
+
 def bucket_rows(n: int, multiple: int = 1) -> int:
     """Batch rows: a power of two, and a multiple of the number of batch shards."""
     rows = 1 << (max(n, 1) - 1).bit_length()
@@ -132,33 +149,91 @@ def filter_logits(logits_NV: jax.Array, top_p_N: jax.Array, top_k_N: jax.Array) 
     return jnp.where(logits_NV >= threshold_N[:, None], logits_NV, -jnp.inf)
 
 
+def first_argmax(x_NV: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum), int32, built from a max and a min
+    reduction: XLA:CPU vectorises those, not argmax's (value, index) reduction (3 ms of a 11 ms decode step
+    over a 32k vocabulary at batch 8)."""
+    max_N1 = jnp.max(x_NV, axis=-1, keepdims=True)
+    index_NV = jax.lax.broadcasted_iota(jnp.int32, x_NV.shape, x_NV.ndim - 1)
+    V = x_NV.shape[-1]
+    return jnp.minimum(jnp.min(jnp.where(x_NV == max_N1, index_NV, V), axis=-1), V - 1)  # all-NaN row: V - 1
+
+
+def token_logprob(logits_NV: jax.Array, token_N: jax.Array) -> jax.Array:
+    """log_softmax(logits)[token] without materialising the [N, V] log-softmax."""
+    max_N = jax.lax.stop_gradient(jnp.max(logits_NV, axis=-1))
+    lse_N = max_N + jnp.log(jnp.sum(jnp.exp(logits_NV - max_N[:, None]), axis=-1))
+    return jnp.take_along_axis(logits_NV, token_N[:, None], axis=-1)[:, 0] - lse_N
+
+
 def sample_tokens(logits_NV: jax.Array, keys_N2: jax.Array, temperature_N: jax.Array, top_p_N: jax.Array,
                   top_k_N: jax.Array) -> jax.Array:
     """One token per row: argmax where temperature == 0, else a draw from softmax(filtered logits / T)."""
-    greedy_N = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
+    greedy_N = first_argmax(logits_NV)
 
     def draw():
         scaled_NV = logits_NV / jnp.where(temperature_N > 0, temperature_N, 1.0)[:, None]
         # Sorting the vocabulary is skipped (at run time, one compiled program) when no row filters.
         use_filter = jnp.any(top_k_N > 0) | jnp.any(top_p_N < 1.0)
         scaled_NV = jax.lax.cond(use_filter, filter_logits, lambda x, *_: x, scaled_NV, top_p_N, top_k_N)
-        drawn_N = jax.vmap(jax.random.categorical)(keys_N2, scaled_NV).astype(jnp.int32)
+        # One uniform per row (in (0, 1): u = 0 could pick a zero-probability token).
+        u_N = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0))(
+            keys_N2)
+        drawn_N = inverse_cdf_draw(scaled_NV, u_N)
         return jnp.where(temperature_N > 0, drawn_N, greedy_N)
 
-    # An all-greedy batch skips the Gumbel noise over the whole vocabulary (~30% of a small model's step).
+    # An all-greedy batch skips the exponentials over the whole vocabulary.
     return jax.lax.cond(jnp.any(temperature_N > 0), draw, lambda: greedy_N)
 
 
-def _last_logits(model, hidden_BTD: jax.Array) -> jax.Array:
-    """float32 logits of each row's last position: [B, V] (never [B, T, V])."""
+def inverse_cdf_draw(logits_NV: jax.Array, u_N: jax.Array, *, block: int = 128) -> jax.Array:
+    """The token whose softmax(logits) CDF interval holds u, per row: an exact categorical draw from one
+    uniform per row. A Gumbel-max draw needs V random numbers per row (threefry over [N, V] was 5 ms a step at
+    64 x 4096); here the vocabulary is cut into blocks: one cumsum over the block sums picks the block, a
+    cumsum inside that block alone picks the token. -inf logits (filtered out) have zero mass, never drawn."""
+    N, V = logits_NV.shape
+    n_blocks = -(-V // block)
+    weights_NV = jnp.exp(logits_NV - jnp.max(logits_NV, axis=-1, keepdims=True))
+    weights_NBC = jnp.pad(weights_NV, ((0, 0), (0, n_blocks * block - V))).reshape(N, n_blocks, block)
+    cum_NB = jnp.cumsum(jnp.sum(weights_NBC, axis=-1), axis=-1)
+    target_N = u_N * cum_NB[:, -1]
+    # The first block whose cumulative mass reaches the target (zero-mass blocks never do first).
+    block_N = jnp.minimum(jnp.sum(cum_NB < target_N[:, None], axis=-1), n_blocks - 1)
+    before_N = jnp.where(block_N > 0, jnp.take_along_axis(cum_NB, jnp.maximum(block_N - 1, 0)[:, None], -1)[:, 0],
+                         0.0)
+    cum_NC = jnp.cumsum(jnp.take_along_axis(weights_NBC, block_N[:, None, None], axis=1)[:, 0], axis=-1)
+    # Rounding can leave the rest a hair above the block's own total: clamp, so the last real token is taken.
+    rest_N = jnp.minimum(target_N - before_N, cum_NC[:, -1])
+    index_N = jnp.minimum(jnp.sum(cum_NC < rest_N[:, None], axis=-1), block - 1)
+    return (block_N * block + index_N).astype(jnp.int32)
+
+
+def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
+    """float32 logits of each row's last position: [B, V] (never [B, T, V]), from the unembedding or from its
+    column blocks (`unembed_parts`, see _split_unembedding)."""
+    parts = unembed_parts if unembed_parts is not None else [model.unembedding()]
+    h_BD = hidden_BTD[:, -1].astype(parts[0].dtype)
+    logits = [jnp.dot(h_BD, u_DV, preferred_element_type=jnp.float32).astype(jnp.float32) for u_DV in parts]
+    return logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=-1)
+
+
+def _split_unembedding(model, mesh) -> list[jax.Array]:
+    """The [D, V] unembedding as column blocks, one per core, copied once before a decode loop. XLA:CPU runs a
+    matmul on one thread, and the unembedding is half of the bytes a small model's decode step reads (the 24M
+    bench model: 33 of 64 MB); independent blocks run on all the cores at once. Also materialises a tied
+    embedding's transpose once, not at every step. On a mesh or an accelerator it stays one array."""
     unembed_DV = model.unembedding()
-    return jnp.dot(hidden_BTD[:, -1].astype(unembed_DV.dtype), unembed_DV,
-                   preferred_element_type=jnp.float32).astype(jnp.float32)
+    if mesh is not None or jax.default_backend() != "cpu":
+        return [unembed_DV]
+    V = unembed_DV.shape[1]
+    n = max(1, min(os.cpu_count() or 1, 8, V // 1024))
+    bounds = [V * i // n for i in range(n + 1)]
+    return [unembed_DV[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _constrain_batch(tree, mesh, rows: int):
     """Pin every array whose leading dim is the batch: rows over the batch axes and, for K/V caches
-    [rows, slots, kv_heads, head_dim], heads over 'tensor' like the k/v projections that write them."""
+    [rows, kv_heads, slots, head_dim], heads over 'tensor' like the k/v projections that write them."""
     if mesh is None:
         return tree
     from jax.sharding import NamedSharding
@@ -168,26 +243,28 @@ def _constrain_batch(tree, mesh, rows: int):
     def constrain(x):
         if not hasattr(x, "ndim") or x.ndim == 0 or x.shape[0] != rows:
             return x
-        names = ("batch", None, "kv_heads", "head_dim") if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
+        # 4-D arrays here are heads-major K/V caches [rows, kv_heads, slots, head_dim].
+        names = ("batch", "kv_heads", None, "head_dim") if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
         spec = spec_for_shape(x.shape, logical_to_spec(names), mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return jax.tree_util.tree_map(constrain, tree)
 
 
-def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, mesh):
-    """Fill a cache with the prompts, then gather prompt rows into sample rows (prefill shared by n samples)."""
+def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, width: int, mesh):
+    """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
+    prompt rows into sample rows (prefill shared by n samples)."""
     from sweet_jax.models import positions_from_mask
 
     model = nnx.merge(graphdef, state)
     B, P = input_ids_BP.shape
     N = sample_row_N.shape[0]
-    cache = _constrain_batch(model.init_cache(B, max_len), mesh, B)
+    cache = _constrain_batch(model.init_cache(B, width, heads_major=True), mesh, B)
     # Slots past the prompt are marked valid up front: causality (slot <= cache_pos + i) hides them until
     # they are written, so the same mask serves prefill and every decode step.
     cache_mask_BL = jnp.concatenate(
         [prompt_mask_BP, jnp.ones((B, max_len - P), prompt_mask_BP.dtype)], axis=1)
     positions_BP = positions_from_mask(prompt_mask_BP)
-    hidden_BPD, cache = model.hidden_states(input_ids_BP, cache_mask_BL, positions_BP, cache=cache,
+    hidden_BPD, cache = model.hidden_states(input_ids_BP, cache_mask_BL[:, :width], positions_BP, cache=cache,
                                             cache_pos=jnp.int32(0))
     logits_BV = _last_logits(model, hidden_BPD)  # left padding: column P-1 is every prompt's last token
     take = lambda x: x[sample_row_N] if hasattr(x, "ndim") and x.ndim and x.shape[0] == B else x
@@ -196,14 +273,25 @@ def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max
     return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
 
 
-def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, pad_id: int, mesh):
-    """Run the decode loop from carry['step'] until step_limit or until every row is done.
+def _grow_cache(cache, *, width: int, mesh):
+    """The heads-major cache padded to `width` slots (once per decode window, between the windows' loops)."""
+    grow = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)))
+    rows = jax.tree_util.tree_leaves(cache)[0].shape[0]
+    return _constrain_batch(jax.tree_util.tree_map(grow, cache), mesh, rows)
 
-    carry: cache, logits [N,V], step (), done [N], stopped [N], length [N], tokens [N,T], logprobs [N,T], key
+
+def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, width: int, pad_id: int, mesh):
+    """Run the decode loop from carry['step'] until step_limit or until every row is done, attending over the
+    first `width` cache slots (the caller keeps prompt_width + step_limit <= width).
+
+    carry: cache (heads-major, `width` slots), logits [N,V], step (), done [N], stopped [N],
+           length [N], tokens [N,T], logprobs [N,T]
     rows:  prompt_len [N], cache_mask [N,L], temperature [N], top_p [N], top_k [N], max_new [N],
            stop_ids [N,S] (-1 = unused), keys [N,2]
     """
     model = nnx.merge(graphdef, state)
+    cache_mask_NW = rows["cache_mask"][:, :width]
+    unembed_parts = _split_unembedding(model, mesh)
 
     def cond(c):
         return (c["step"] < step_limit) & ~jnp.all(c["done"])
@@ -212,7 +300,7 @@ def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, pad_
         step = c["step"]
         keys_N2 = jax.vmap(jax.random.fold_in, in_axes=(0, None))(rows["keys"], step)
         token_N = sample_tokens(c["logits"], keys_N2, rows["temperature"], rows["top_p"], rows["top_k"])
-        logp_N = jnp.take_along_axis(jax.nn.log_softmax(c["logits"], axis=-1), token_N[:, None], axis=-1)[:, 0]
+        logp_N = token_logprob(c["logits"], token_N)
         live_N = ~c["done"]
         token_N = jnp.where(live_N, token_N, pad_id)
         hit_stop_N = live_N & jnp.any(token_N[:, None] == rows["stop_ids"], axis=-1)
@@ -221,9 +309,9 @@ def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, pad_
         length_N = jnp.where(live_N, step + 1, c["length"])
         done_N = c["done"] | hit_stop_N | (step + 1 >= rows["max_new"])
         positions_N1 = (rows["prompt_len"] + step)[:, None]
-        hidden_N1D, cache = model.hidden_states(token_N[:, None], rows["cache_mask"], positions_N1,
+        hidden_N1D, cache = model.hidden_states(token_N[:, None], cache_mask_NW, positions_N1,
                                                 cache=c["cache"], cache_pos=prompt_width + step)
-        return dict(cache=_constrain_batch(cache, mesh, token_N.shape[0]), logits=_last_logits(model, hidden_N1D),
+        return dict(cache=_constrain_batch(cache, mesh, token_N.shape[0]), logits=_last_logits(model, hidden_N1D, unembed_parts),
                     step=step + 1, done=done_N, stopped=c["stopped"] | hit_stop_N, length=length_N,
                     tokens=tokens, logprobs=logprobs)
 
@@ -262,8 +350,9 @@ class Sampler:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else \
             self._default_eos_ids()
         self.pad_id = self._pad_id()
-        self._prefill_fns: dict[int, Any] = {}
-        self._decode_fns: dict[int, Any] = {}
+        self._prefill_fns: dict[tuple[int, int], Any] = {}
+        self._decode_fns: dict[tuple[int, int], Any] = {}
+        self._grow_fns: dict[int, Any] = {}
 
     @property
     def graphdef(self):
@@ -278,6 +367,36 @@ class Sampler:
     @state.setter
     def state(self, state) -> None:
         nnx.update(self.model, state)
+
+    def set_params(self, params, *, seed: int | None = None) -> None:
+        """Swap in new weights of the same architecture, keeping the compiled prefill/decode programs.
+
+        params: a sweet_jax.models.Llama (e.g. `load_hf(new_policy_dir)`) or its `nnx.state(...)`; every array
+        must have the current model's shape and dtype (a mismatch raises GenerateError and changes nothing).
+        With a mesh, the new arrays are placed onto the same shardings. seed: restart the sampler's seed
+        stream (what a fresh Sampler(model, seed=seed) would draw); None keeps it going.
+        """
+        state = nnx.state(params) if isinstance(params, nnx.Module) else params
+        if isinstance(params, nnx.Module) and nnx.graphdef(params) != self.graphdef:
+            raise GenerateError("set_params: the new model's structure differs from the sampler's (another "
+                                "architecture or config); build a new Sampler for it.")
+        current = nnx.state(self.model)
+        cur_leaves, cur_tree = jax.tree_util.tree_flatten_with_path(current)
+        new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(state)
+        if cur_tree != new_tree:
+            raise GenerateError("set_params: the new parameters' tree differs from the sampler's model (missing "
+                                "or extra variables); pass a model or state of the same architecture.")
+        for (path, old), (_, new) in zip(cur_leaves, new_leaves):
+            if np.shape(old) != np.shape(new) or jnp.result_type(old) != jnp.result_type(new):
+                raise GenerateError(
+                    f"set_params: {jax.tree_util.keystr(path)} is {jnp.result_type(new)}{list(np.shape(new))}, "
+                    f"the sampler's model has {jnp.result_type(old)}{list(np.shape(old))}; same shapes and dtypes "
+                    f"are needed to reuse the compiled programs (build a new Sampler otherwise).")
+        if self.mesh is not None:
+            state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, current))
+        nnx.update(self.model, state)
+        if seed is not None:
+            self._seeds = np.random.default_rng(seed)
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -431,7 +550,10 @@ class Sampler:
 
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
-        cache, logits, prompt_len, cache_mask = self._prefill_fn(L)(
+        windows = decode_windows(P, T)
+        # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
+        # grows to the first window before the first decode loop.
+        cache, logits, prompt_len, cache_mask = self._prefill_fn(L, P)(
             graphdef, state, put(input_ids), put(prompt_mask), put(sample_row))
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
@@ -439,17 +561,23 @@ class Sampler:
         carry = dict(cache=cache, logits=logits, step=jnp.int32(0), done=put(np.zeros(N, bool)),
                      stopped=put(np.zeros(N, bool)), length=put(np.zeros(N, np.int32)),
                      tokens=put(np.full((N, T), self.pad_id, np.int32)), logprobs=put(np.zeros((N, T), np.float32)))
-        decode = self._decode_fn(P)
 
         has_stop_strings = any(r.params.stop for r in requests) and self.tokenizer is not None
         chunk = self.stop_check_every if has_stop_strings else max_new
         string_stop_at: dict[int, tuple[int, str]] = {}  # row -> (tokens kept, text)
-        step = 0
+        step, checked = 0, 0
         while step < max_new:
-            step = min(step + chunk, max_new)
-            carry = decode(graphdef, state, carry, rows, jnp.int32(step))
-            if not has_stop_strings:
-                break
+            # The window holding this step's slot (P + step); its loop stops at the window's end or the next
+            # stop-string check. Without stop strings the windows run back to back with no host sync: a window
+            # whose rows are all done exits at once.
+            width = next(w for w in windows if P + step < w)
+            step = min(width - P, checked + chunk, max_new)
+            if _cache_width(carry["cache"]) < width:
+                carry["cache"] = self._grow_fn(width)(carry["cache"])
+            carry = self._decode_fn(P, width)(graphdef, state, carry, rows, jnp.int32(step))
+            if not has_stop_strings or step < min(checked + chunk, max_new):
+                continue
+            checked = step
             done, tokens, length = jax.device_get((carry["done"], carry["tokens"], carry["length"]))
             newly_done = np.zeros(N, bool)
             for row, (j, _) in enumerate(owner):
@@ -500,18 +628,24 @@ class Sampler:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _prefill_fn(self, max_len: int):
-        if max_len not in self._prefill_fns:
-            self._prefill_fns[max_len] = jax.jit(
-                functools.partial(_prefill, max_len=max_len, mesh=self.mesh))
-        return self._prefill_fns[max_len]
+    def _prefill_fn(self, max_len: int, width: int):
+        if (max_len, width) not in self._prefill_fns:
+            self._prefill_fns[max_len, width] = jax.jit(
+                functools.partial(_prefill, max_len=max_len, width=width, mesh=self.mesh))
+        return self._prefill_fns[max_len, width]
 
-    def _decode_fn(self, prompt_width: int):
-        if prompt_width not in self._decode_fns:
-            self._decode_fns[prompt_width] = jax.jit(
-                functools.partial(_decode, prompt_width=prompt_width, pad_id=self.pad_id, mesh=self.mesh),
+    def _grow_fn(self, width: int):
+        if width not in self._grow_fns:
+            self._grow_fns[width] = jax.jit(functools.partial(_grow_cache, width=width, mesh=self.mesh))
+        return self._grow_fns[width]
+
+    def _decode_fn(self, prompt_width: int, width: int):
+        if (prompt_width, width) not in self._decode_fns:
+            self._decode_fns[prompt_width, width] = jax.jit(
+                functools.partial(_decode, prompt_width=prompt_width, width=width, pad_id=self.pad_id,
+                                  mesh=self.mesh),
                 donate_argnums=(2,))
-        return self._decode_fns[prompt_width]
+        return self._decode_fns[prompt_width, width]
 
     def _put(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
@@ -543,6 +677,10 @@ class Sampler:
             raise GenerateError(f"{what} need a tokenizer: build the Sampler with tokenizer=AutoTokenizer."
                                 f"from_pretrained(DIR), or pass token ids.")
         return self.tokenizer
+
+
+def _cache_width(cache) -> int:
+    return jax.tree_util.tree_leaves(cache)[0].shape[2]  # heads-major [rows, kv_heads, slots, head_dim]
 
 
 def _mix_seed(seed: int, index: int) -> int:

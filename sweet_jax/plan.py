@@ -2,6 +2,13 @@
 
     python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.data.max_len=16384 --topology v5p-8
+    python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.model.preset=llama3_70b \
+        --config.data.max_len=16384 --topology v5p-64 --config.mesh.shape='(1,8,4)' \
+        --config.train.micro_batch_size=8 --config.model.scan_layers=True --config.model.sequence_parallel=True
+
+Layout switches read from config.model (see configs/policy.py): scan_layers (stacked layers under jax.lax.scan:
+one layer compiled, so 8B/70B compile in minutes; XLA then keeps more float32 copies of the stacked gradients),
+sequence_parallel (the residual stream between layers split over 'tensor' along tokens), attention_chunk_size.
 
 No TPU needed: `jax.experimental.topologies` describes the slice and libtpu compiles for it on this host.
 The story: config -> model shapes -> topology -> mesh -> sharded abstract state and batch -> lower ->
@@ -10,6 +17,7 @@ compile -> memory / FLOPs report. Exit status 1 when the step does not fit the c
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import re
@@ -109,8 +117,8 @@ def llama_config(config):
     impl = config.model.attention_impl
     if impl in ("auto", "cudnn", "blocked"):
         impl = "chunked" if config.data.max_len > 2048 else "xla"
-    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
-                     attention_impl=impl)
+    from sweet_jax.config_utils import model_overrides
+    overrides = model_overrides(config, attention_impl=impl)
     if config.model.path and (pathlib.Path(config.model.path) / "config.json").is_file():
         from sweet_jax.models.hf import read_hf_config
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
@@ -143,7 +151,9 @@ class Plan:
     alias_bytes: int
     temp_bytes: int
     code_bytes: int
-    flops: float
+    flops: float      # XLA's cost analysis: counts a jax.lax.scan body once (scan_layers: one layer's worth)
+    model_flops: float = 0.0  # 6 x matmul params + attention per token (LlamaConfig.flops_per_token), per chip
+    layout: str = ""  # layers stacked under scan or unrolled, sequence parallel, attention implementation
     estimated: bool = False  # True: extrapolated from shallower compiles (extrapolated_plan)
     compile_error: str = ""  # the TPU compiler's out-of-memory message when it refused the program
 
@@ -160,13 +170,15 @@ class Plan:
         g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
         return (f"| {self.topology.slice_name} ({self.topology.name}) | {self.step} | {self.seq_len} | "
                 f"{self.batch_size}/{self.micro_batch_size or self.batch_size} | {self.mesh_shape} | {self.remat} | "
+                f"{self.layout} | "
                 f"{g(self.argument_bytes)} | {g(self.temp_bytes)} | {g(self.total_bytes)} / "
-                f"{self.topology.hbm_bytes / GiB:.0f} | {self.flops / 1e12:.1f} | "
+                f"{self.topology.hbm_bytes / GiB:.0f} | {self.model_flops / 1e12:.1f} | "
                 f"{'yes' if self.fits else 'NO'}{' (est.)' if self.estimated else ''} |")
 
 
-TABLE_HEADER = ("| slice | step | seq | batch/micro | mesh (data, fsdp, tensor) | remat | args GiB | temps GiB | "
-                "total GiB / HBM | TFLOP/step/chip | fits |\n|---|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| slice | step | seq | batch/micro | mesh (data, fsdp, tensor) | remat | layout | args GiB | "
+                "temps GiB | total GiB / HBM | model TFLOP/step/chip | fits |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: int | None = None) -> Plan:
@@ -231,11 +243,16 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     if verbose:
         print(f"compiling the {kind} step of a {mcfg.num_params() / 1e9:.2f}B-parameter Llama, batch {B}x{P}x{T}"
               f" (micro {micro or B}), mesh {dict(mesh.shape)} for {topology.name} ...", file=sys.stderr, flush=True)
-    lowered = step.lower(*args)
+    with jax.set_mesh(mesh):  # the model's residual_sharding constraints name mesh axes
+        lowered = step.lower(*args)
     plan = Plan(topology=topology, step=kind, seq_len=T, batch_size=B, micro_batch_size=micro,
                 mesh_shape=tuple(mesh.shape.values()), remat=mcfg.remat, dtype=mcfg.dtype,
                 num_params=mcfg.num_params(), argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
-                code_bytes=0, flops=0.0)
+                code_bytes=0, flops=0.0,
+                model_flops=mcfg.flops_per_token(T) * B * P * T / mesh.devices.size,
+                layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), mcfg.attention_impl
+                                  + (f" {mcfg.attention_chunk_size}" if mcfg.attention_impl == "chunked" else "")]
+                                 + (["SP"] if config.model.get("sequence_parallel", False) else [])))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses programs that exceed HBM
@@ -285,7 +302,8 @@ def extrapolated_plan(config, topology: Topology, *, layers=(2, 4), verbose: boo
         a, num_params=llama_config(config).num_params(), argument_bytes=lin(a.argument_bytes, b.argument_bytes),
         output_bytes=lin(a.output_bytes, b.output_bytes), alias_bytes=lin(a.alias_bytes, b.alias_bytes),
         temp_bytes=lin(a.temp_bytes, b.temp_bytes), code_bytes=lin(a.code_bytes, b.code_bytes),
-        flops=a.flops + k * (b.flops - a.flops), estimated=True)
+        flops=a.flops + k * (b.flops - a.flops), model_flops=llama_config(config).flops_per_token(a.seq_len)
+        * a.batch_size * (1 if a.step in ("rft", "sft") else 2) * a.seq_len / math.prod(a.mesh_shape), estimated=True)
 
 
 def report(plan: Plan) -> str:
@@ -303,7 +321,10 @@ def report(plan: Plan) -> str:
         f"  code      {g(plan.code_bytes)}",
         f"  total     {g(plan.total_bytes)}   of {t.hbm_bytes / GiB:.0f} GiB "
         f"({100 * plan.total_bytes / t.hbm_bytes:.0f}%)",
-        f"  FLOPs     {plan.flops / 1e12:8.1f} TFLOP per step per chip (XLA cost analysis)",
+        f"  FLOPs     {plan.model_flops / 1e12:8.1f} TFLOP per step per chip (model: 6 x params + attention, "
+        f"per token); XLA cost analysis {plan.flops / 1e12:.1f}"
+        + (" (counts the scanned layer once)" if plan.layout.startswith("scan") else " (incl. remat recompute)"),
+        f"layout     {plan.layout}",
     ] + ([f"  the TPU compiler refused the program: {plan.compile_error}",
           "  (temps = what it needed; arguments estimated from the sharded input shapes)"]
          if plan.compile_error else []) + [

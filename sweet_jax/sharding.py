@@ -1,6 +1,7 @@
 """Device mesh, the logical-axis rule table, and shardings for parameters, optimiser state and batches.
 
-Every parameter names its axes logically ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'norm');
+Every parameter names its axes logically ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'norm',
+and 'layers' for the stacked layers of a scan_layers=True model);
 LOGICAL_RULES maps those names onto the mesh axes ('data', 'fsdp', 'tensor'). Changing the layout is
 changing this one table.
 """
@@ -29,6 +30,8 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),   # scan_layers=True stack axis: not split; each layer is sharded by its own axes
+    ("sequence", "tensor"),  # tokens of the residual stream between layers, when sequence parallel
 )
 
 
@@ -139,6 +142,13 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Modul
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(logical_to_spec(["batch"])[0], *([None] * (ndim - 1))))
+
+
+def residual_sharding(*, sequence_parallel: bool, rules=LOGICAL_RULES) -> tuple:
+    """LlamaConfig.residual_sharding for these rules: the [B, T, D] residual stream with its batch over
+    ('data', 'fsdp') and, sequence parallel, its tokens over 'tensor' (the layer inputs that remat saves then
+    take 1/tensor of the memory: 20 GiB per 16384-token sequence for Llama-3.1-70B otherwise)."""
+    return tuple(logical_to_spec(("batch", "sequence" if sequence_parallel else None, None), rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -10,6 +10,7 @@ Pointing --workdir at an existing run resumes it from its latest readable checkp
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -344,8 +345,9 @@ def model_config(config, vocab_size: int, tokenizer=None):
     from sweet_jax.models import LlamaConfig
     from sweet_jax.models.hf import read_hf_config
 
-    overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                     remat=config.model.remat, attention_impl=config.model.attention_impl)
+    from sweet_jax.config_utils import model_overrides
+
+    overrides = model_overrides(config)
     if config.model.path:
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
     preset = getattr(LlamaConfig, config.model.preset)
@@ -363,11 +365,11 @@ def build_model(config, llama_config, mesh):
     import jax
     from flax import nnx
     from sweet_jax import sharding
+    from sweet_jax.config_utils import model_overrides
     from sweet_jax.models import Llama, load_hf
 
     if config.model.path:
-        overrides = dict(dtype=llama_config.dtype, remat=llama_config.remat,
-                         attention_impl=llama_config.attention_impl)
+        overrides = {k: v for k, v in model_overrides(config).items() if k != "param_dtype"}
         return load_hf(config.model.path, dtype=llama_config.param_dtype, mesh=mesh, config_overrides=overrides)
     # Random init straight onto the shardings (jit with out_shardings): big presets never sit on one device.
     abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
@@ -521,6 +523,12 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
     check_config(config)
     initialize_distributed()
     import jax
+    with contextlib.ExitStack() as mesh_scope:
+        return _run(config, workdir, build_mesh(config), mesh_scope)
+
+
+def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextlib.ExitStack) -> dict:
+    import jax
     from sweet_jax import checkpoint, metrics as metrics_lib, steps
     from sweet_jax.data.tokenizers import load_tokenizer, pad_id
 
@@ -529,7 +537,6 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
     is_main = jax.process_index() == 0
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
-    mesh = build_mesh(config)
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     for field in ("batch_size", "micro_batch_size"):
         size = config.train[field]
@@ -568,6 +575,9 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
     optimizer, lr_schedule = steps.optimizer_from_config(config.optim, total_steps)
     state = steps.create_train_state(model, optimizer, mesh)
     del model
+    # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
+    # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
+    mesh_scope.enter_context(jax.set_mesh(mesh))
     kind = config.loss.kind
     spec = steps.LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind,
                           beta=config.loss.beta, advantage_norm=config.loss.advantage_norm,

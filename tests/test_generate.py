@@ -9,7 +9,8 @@ import torch
 from tiny import load_torch, make_hf_llama
 
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
-from sweet_jax.generate import GenerateError, Request, Sampler, SamplingParams, bucket_length, filter_logits
+from sweet_jax.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length, decode_windows,
+                                filter_logits, first_argmax, inverse_cdf_draw)
 from sweet_jax.models import load_hf
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + merges + 6 specials)
@@ -99,8 +100,8 @@ def test_n_samples_share_one_prefill_and_differ(sampler):
     prefill_batches = []
     original = sampler._prefill_fn
 
-    def spy(max_len):
-        fn = original(max_len)
+    def spy(*shape):
+        fn = original(*shape)
         return lambda graphdef, state, input_ids, *rest: (prefill_batches.append(input_ids.shape[0]),
                                                           fn(graphdef, state, input_ids, *rest))[1]
 
@@ -203,3 +204,93 @@ def test_errors_name_the_problem(sampler):
     with pytest.raises(GenerateError, match="top_p"):
         sampler.generate(["x"], top_p=0.0)
     assert bucket_length(5) == 16 and bucket_length(17) == 32 and bucket_length(1500) == 2048
+
+
+def test_set_params_swaps_weights_without_recompiling(hf_dir, tmp_path, sampler):
+    config = sampler.config  # same architecture and special ids, other weights
+    other_dir = make_hf_llama(tmp_path / "other", "llama31", vocab_size=VOCAB, seed=9,
+                              bos_token_id=config.bos_token_id, eos_token_id=list(config.eos_token_ids))
+    prompts = random_prompts([4, 9], seed=8)
+    fresh = Sampler(load_hf(other_dir), sampler.tokenizer)
+    expected = [s[0].token_ids for s in fresh.generate(prompts, max_new_tokens=10, temperature=0.0, ignore_eos=True)]
+    swapped = Sampler(load_hf(hf_dir), sampler.tokenizer, seed=1)
+    before = [s[0].token_ids for s in swapped.generate(prompts, max_new_tokens=10, temperature=0.0, ignore_eos=True)]
+    compiled = {**swapped._prefill_fns, **{("decode",) + k: f for k, f in swapped._decode_fns.items()}}
+    traces = {k: f._cache_size() for k, f in compiled.items()}
+    swapped.set_params(load_hf(other_dir), seed=3)
+    # seed restarts the sampler's own stream, as a fresh Sampler(seed=3) would draw.
+    reseeded = Sampler(load_hf(other_dir), sampler.tokenizer, seed=3)
+    assert [s[0].token_ids for s in swapped.generate(prompts, max_new_tokens=6)] == \
+        [s[0].token_ids for s in reseeded.generate(prompts, max_new_tokens=6)]
+    got = [s[0].token_ids for s in swapped.generate(prompts, max_new_tokens=10, temperature=0.0, ignore_eos=True)]
+    assert got == expected and got != before
+    # The same jitted programs, each without a new trace.
+    assert {**swapped._prefill_fns, **{("decode",) + k: f for k, f in swapped._decode_fns.items()}} == compiled
+    assert {k: f._cache_size() for k, f in compiled.items()} == traces
+    with pytest.raises(GenerateError, match="shapes and dtypes|structure"):
+        swapped.set_params(load_hf(hf_dir, dtype="bfloat16"))
+
+
+def test_inverse_cdf_draw_gives_each_token_its_softmax_mass():
+    # V = 300 spans 3 blocks of 128 (the last one padded); a filtered (-inf) token must never be drawn.
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=300).astype(np.float32) * 2
+    logits[[0, 130, 299]] = -np.inf
+    M = 20000  # u on a regular grid of quantiles: token t is drawn for a fraction p_t of them, up to 1/M
+    u = (np.arange(M) + 0.5) / M
+    tokens = np.asarray(inverse_cdf_draw(jax.numpy.asarray(np.broadcast_to(logits, (M, 300))), jax.numpy.asarray(u)))
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    freq = np.bincount(tokens, minlength=300) / M
+    assert np.abs(freq - p).max() <= 2.0 / M
+    assert freq[[0, 130, 299]].sum() == 0
+
+
+def test_first_argmax_is_argmax_with_ties_to_the_first():
+    x = jax.numpy.asarray([[1.0, 3.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0], [-np.inf, -1.0, 5.0, 5.0]])
+    assert np.asarray(first_argmax(x)).tolist() == np.asarray(jax.numpy.argmax(x, -1)).tolist() == [1, 0, 2]
+
+
+def test_decode_windows_cover_the_cache_in_a_few_growing_spans():
+    assert decode_windows(32, 16) == [48]  # short generations: one window, one compiled loop
+    assert decode_windows(32, 256) == [96, 160, 224, 288]
+    assert decode_windows(256, 128) == [320, 384]
+    assert decode_windows(1024, 1024)[-1] == 2048 and len(decode_windows(1024, 1024)) == 4
+
+
+def test_long_greedy_generation_across_cache_windows_matches_one_full_forward(sampler):
+    # 128 new tokens run in 2 cache windows (a cache grown between two compiled loops): every greedy token is
+    # the argmax of a teacher-forced forward over prompt + tokens, and the log-probs match it.
+    prompts = random_prompts([5, 12], seed=12)
+    samples = sampler.generate(prompts, max_new_tokens=128, temperature=0.0, ignore_eos=True)
+    for prompt, group in zip(prompts, samples):
+        ids = group[0].token_ids
+        assert len(ids) == 128
+        logp = teacher_forced_logp(sampler.model, prompt, ids)
+        np.testing.assert_allclose(group[0].logprobs, logp[np.arange(128), ids], atol=2e-4)
+        assert (logp.argmax(-1) == np.asarray(ids)).all()
+
+
+def test_heads_major_cache_prefill_then_decode_matches_full_forward(hf_dir):
+    # The sampler's cache layout [B, K, S, H]: prefill 6 tokens, then one token a step, as the decode loop does.
+    from sweet_jax.models import positions_from_mask
+
+    model = load_hf(hf_dir)
+    ids = np.asarray(random_prompts([11, 11], seed=13), np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0  # left padding in row 1
+    full = np.asarray(model.hidden_states(ids, mask))
+    slots = np.zeros((2, 16), np.int32)
+    slots[:, :11] = mask
+    positions = np.asarray(positions_from_mask(mask))
+    cache = model.init_cache(2, 16, heads_major=True)
+    assert cache[0]["k_BKSH"].shape == (2, model.config.num_kv_heads, 16, model.config.head_dim)
+    step = jax.jit(lambda m, ids, sm, pos, c, cp: m.hidden_states(ids, sm, pos, cache=c, cache_pos=cp))
+    hidden, cache = step(model, ids[:, :6], slots, positions[:, :6], cache, 0)
+    pieces = [np.asarray(hidden)]
+    for t in range(6, 11):
+        hidden, cache = step(model, ids[:, t:t + 1], slots, positions[:, t:t + 1], cache, t)
+        pieces.append(np.asarray(hidden))
+    cached = np.concatenate(pieces, axis=1)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(cached[valid], full[valid], atol=1e-5, rtol=1e-5)

@@ -46,6 +46,31 @@ def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     assert "| v5e-4 (v5e:2x2) | critic | 512 |" in plan.report(result)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
+def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_state():
+    # The 8B/70B layout (stacked layers under jax.lax.scan, residual stream split over 'tensor') holds the
+    # same per-chip state as the per-layer model and still compiles for a TPU slice.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    c = base_config()
+    c.model.preset = "tiny"
+    c.model.remat = "full"
+    c.data.max_len = 256
+    c.train.batch_size = 4
+    c.mesh.shape = (1, 2, 2)
+    topology = plan.parse_topology("v5e:2x2")
+    unrolled = plan.make_plan(c, topology, verbose=False)
+    c.model.scan_layers = True
+    c.model.sequence_parallel = True
+    scanned = plan.make_plan(c, topology, verbose=False)
+    assert scanned.fits and scanned.temp_bytes > 0 and scanned.flops > 0
+    assert scanned.argument_bytes == unrolled.argument_bytes
+    # XLA's cost analysis counts a scan body once; the model FLOPs (per token x tokens per chip) do not change.
+    from sweet_jax.models import LlamaConfig
+    expected = LlamaConfig.tiny().flops_per_token(256) * 4 * 2 * 256 / 4
+    assert scanned.model_flops == unrolled.model_flops == pytest.approx(expected)
+    assert scanned.layout.startswith("scan") and "SP" in scanned.layout and unrolled.layout.startswith("unrolled")
+
+
 def test_batch_that_does_not_split_over_the_mesh_is_a_plan_error():
     c = base_config()
     c.model.preset = "tiny"

@@ -352,3 +352,41 @@ def test_entry_points_show_user_errors_as_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err == "error: config.data.max_len=0: must be > 0\n"
     with pytest.raises(KeyError):  # a bug is not a user error: it keeps its traceback
         errors.cli_main(log, lambda: {}["missing"])
+
+
+def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tmp_path):
+    """model.scan_layers + model.sequence_parallel (the layout the 8B/70B plan rows use) reach the trainer: on a
+    (1, 2, 2) mesh the stacked-layer, token-split model trains like the per-layer one on one device, and its
+    export is the same HF checkpoint."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+    from sweet_jax import export, train
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.models import Llama, save_hf
+
+    common = dict(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
+                  data__bucket=256, train__batch_size=4, train__num_steps=3, train__ckpt_every=3,
+                  train__eval_every=0, data__eval_fraction=0.0)
+    # Both runs start from one HF checkpoint (a scanned random init draws its layers differently).
+    config = demo_config(**common)
+    tokenizer_dir = train.tokenizer_path(config)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    init = Llama(train.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
+    save_hf(init, tmp_path / "init", tokenizer_dir=tokenizer_dir)
+    common["model__path"] = str(tmp_path / "init")
+    train.run(demo_config(**common, mesh__shape=(1, 1, 1)), tmp_path / "plain")
+    train.run(demo_config(**common, mesh__shape=(1, 2, 2), model__scan_layers=True, model__sequence_parallel=True),
+              tmp_path / "scan")
+    model, _, _ = export.restore_model(tmp_path / "scan")
+    assert model.config.scan_layers and model.config.residual_sharding is not None
+    plain, scan = records(tmp_path / "plain"), records(tmp_path / "scan")
+    assert len(plain) == 3 and plain[-1]["loss"] != plain[0]["loss"]  # it trained
+    np.testing.assert_allclose([r["loss"] for r in scan], [r["loss"] for r in plain], rtol=1e-5)
+    tensors = {}
+    for name in ("plain", "scan"):
+        export.export(tmp_path / name, tmp_path / f"{name}_hf")
+        tensors[name] = {k: v for f in sorted((tmp_path / f"{name}_hf").glob("*.safetensors"))
+                         for k, v in load_file(f).items()}
+    assert tensors["scan"].keys() == tensors["plain"].keys()
+    for key, value in tensors["plain"].items():
+        np.testing.assert_allclose(tensors["scan"][key], value, rtol=2e-5, atol=2e-6, err_msg=key)

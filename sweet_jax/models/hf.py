@@ -8,6 +8,7 @@ generation_config.json and the tokenizer files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -17,6 +18,7 @@ import warnings
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -119,6 +121,34 @@ def _param_items(model_or_state) -> list[tuple[str, nnx.Variable]]:
     """(module path, Variable) for every parameter, in a stable order (layers by index)."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
     return [(_module_path(path), var) for path, var in nnx.to_flat_state(state)]
+
+
+def _tensor_entries(state, config: LlamaConfig) -> list[tuple[str, str, Transform, nnx.Variable, int | None, tuple]]:
+    """(module path, HF name, transform, variable, layer index, tensor shape) per HF tensor. With scan_layers
+    the decoder layers are one module whose variables are stacked [L, ...]: each stacked variable stands for L
+    HF tensors ('layers.attn.q_proj.kernel'[i] is the table's 'layers.{i}.attn.q_proj.kernel'); layer index is
+    None for a variable that is one HF tensor."""
+    entries = []
+    for module_path, var in _param_items(state):
+        if config.scan_layers and module_path.startswith("layers."):
+            rest = module_path[len("layers."):]
+            for i in range(var.shape[0]):
+                hf_name, transform = hf_name_for(f"layers.{i}.{rest}")
+                entries.append((f"{module_path}[{i}]", hf_name, transform, var, i, tuple(var.shape[1:])))
+        else:
+            hf_name, transform = hf_name_for(module_path)
+            entries.append((module_path, hf_name, transform, var, None, tuple(var.shape)))
+    return entries
+
+
+def _sharded_zeros(shape, dtype, sharding) -> jax.Array:
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stack_L, value, i):
+    """stack_L[i] = value in place (the stack is donated): a stacked variable is filled one layer at a time."""
+    return jax.lax.dynamic_update_index_in_dim(stack_L, value.astype(stack_L.dtype), i, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,27 +271,41 @@ def load_hf(path, *, dtype=None, mesh=None, config_overrides=None) -> Llama:
     param_dtype = np.dtype(config.param_dtype)
 
     used = set()
-    items = _param_items(state)
-    for module_path, var in tqdm(items, desc=f"load_hf {path.name}", unit="tensor", leave=False):
-        hf_name, transform = hf_name_for(module_path)
+    stacks = {}  # id(stacked variable) -> its device array being filled layer by layer
+    entries = _tensor_entries(state, config)
+    for module_path, hf_name, transform, var, layer, shape in tqdm(entries, desc=f"load_hf {path.name}",
+                                                                   unit="tensor", leave=False):
         if hf_name not in tensors.entries:
             raise MissingTensorError(
                 f"{path}: tensor {hf_name!r} (for {module_path}) is in no safetensors file, but config.json "
                 f"needs it (tie_word_embeddings={config.tie_word_embeddings}, "
                 f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}).")
         file = tensors.entries[hf_name][0]
-        expected = transform.hf_shape(var.shape)
+        expected = transform.hf_shape(shape)
         if tensors.shape(hf_name) != expected:
             raise TensorShapeError(
                 f"{file}: tensor {hf_name!r} has shape {list(tensors.shape(hf_name))}, but config.json implies "
                 f"{list(expected)}. Check that config.json belongs to these weights.")
         used.add(hf_name)
         hf_array = tensors.read(hf_name)
-        ours = transform.to_nnx(hf_array, var.shape)  # a view: each device copies only its slice below
+        ours = transform.to_nnx(hf_array, shape)  # a view: each device copies only its slice below
         sharding = sharding_lib.variable_sharding(var, mesh) if mesh is not None else device_sharding
-        value = jax.make_array_from_callback(
-            var.shape, sharding, lambda index: np.asarray(ours[index], dtype=param_dtype))
-        var.set_value(value)
+        if layer is None:
+            value = jax.make_array_from_callback(
+                shape, sharding, lambda index: np.asarray(ours[index], dtype=param_dtype))
+            var.set_value(value)
+        else:
+            # One layer of a stacked variable: place it with the layer's own sharding, then write it into the
+            # [L, ...] device array in place; the host never holds more than this one tensor.
+            if id(var) not in stacks:
+                stacks[id(var)] = _sharded_zeros(var.shape, param_dtype, sharding)
+            layer_sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+                              if mesh is not None else device_sharding)
+            value = jax.make_array_from_callback(
+                shape, layer_sharding, lambda index: np.asarray(ours[index], dtype=param_dtype))
+            stacks[id(var)] = _write_layer(stacks[id(var)], value, np.int32(layer))
+            if layer == var.shape[0] - 1:
+                var.set_value(stacks.pop(id(var)))
         del hf_array, ours
 
     unused = [n for n in tensors.entries if n not in used and not IGNORED_HF_TENSORS.match(n)]
@@ -313,9 +357,8 @@ def save_hf(model: Llama, path, *, tokenizer_dir=None, max_shard_size="5GB", dty
 
     # Plan: HF name, HF shape, variable, transform; then greedy shards in table order.
     plan = []
-    for module_path, var in _param_items(model):
-        hf_name, transform = hf_name_for(module_path)
-        plan.append((hf_name, transform.hf_shape(var.shape), var, transform))
+    for _, hf_name, transform, var, layer, shape in _tensor_entries(nnx.state(model, nnx.Param), config):
+        plan.append((hf_name, transform.hf_shape(shape), (var, layer), transform))
     shards, size = [[]], 0
     for entry in plan:
         nbytes = math.prod(entry[1]) * out_dtype.itemsize
@@ -345,8 +388,9 @@ def save_hf(model: Llama, path, *, tokenizer_dir=None, max_shard_size="5GB", dty
         try:
             if f:
                 f.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
-            for hf_name, hf_shape, var, transform in shard:
-                hf_array = np.ascontiguousarray(transform.to_hf(_host_array(var[...])).astype(out_dtype))
+            for hf_name, hf_shape, (var, layer), transform in shard:
+                value = var[...] if layer is None else var[...][layer]  # one layer of a stacked variable
+                hf_array = np.ascontiguousarray(transform.to_hf(_host_array(value)).astype(out_dtype))
                 assert hf_array.shape == tuple(hf_shape), (hf_name, hf_array.shape, hf_shape)
                 if f:
                     f.write(memoryview(hf_array.reshape(-1).view(np.uint8)))
