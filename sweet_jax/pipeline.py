@@ -9,7 +9,7 @@ skipped, so rerunning the command resumes an interrupted run):
   init           init/policy_hf: the starting policy. demo: a tiny random Llama fine-tuned on mixed-quality
                  scripted demonstrations (data/synthetic.py) so it speaks the ColBench protocol, weakly;
                  colbench_8b: the given HF checkpoint. It is the zero-shot baseline, pi_ref and the critics'
-                 initialisation.
+                 initialisation. init.from_run=WORKDIR copies a finished run's instead (other seeds, one start).
   offline        offline/trajectories.jsonl: the starting policy against the simulator, scored in the sandbox
                  (sweet_jax.rollout), or the given trajectories.
   critic         critic/hf: the step-level critic trained with the Bradley-Terry loss, reading c (train.py);
@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
+from sweet_jax.data.schema import write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.pipeline")
@@ -93,25 +94,30 @@ class Run:
             return json.loads(marker.read_text())["summary"]
         d.mkdir(parents=True, exist_ok=True)
         log.info("stage %-14s running in %s", name, d)
-        t0 = time.time()
+        t0, cpu0, load0 = time.time(), _cpu_seconds(), os.getloadavg()[0]
         summary = fn(d)
         seconds = time.time() - t0
-        marker.write_text(json.dumps({"stage": name, "seconds": seconds, "summary": summary}, indent=2) + "\n")
-        log.info("stage %-14s done in %.0f s: %s", name, seconds, _short(summary))
+        # CPU seconds and load averages beside the wall time: on a shared machine the wall time alone says
+        # little; cpu_seconds / cores is the idle machine's wall time, roughly.
+        record = {"stage": name, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
+                  "load_average": [load0, os.getloadavg()[0]], "summary": summary}
+        marker.write_text(json.dumps(record, indent=2) + "\n")
+        log.info("stage %-14s done in %.0f s (%.0f CPU s, load %.1f -> %.1f): %s", name, seconds,
+                 record["cpu_seconds"], *record["load_average"], _short(summary))
         self.ran.append(name)
         return summary
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (user + system)."""
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _short(summary: dict) -> str:
     text = json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
     return text if len(text) < 300 else text[:300] + "..."
-
-
-def _write_jsonl(path: pathlib.Path, rows: Sequence[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    os.replace(tmp, path)
 
 
 def _read_jsonl(path) -> list[dict]:
@@ -159,8 +165,8 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
     if not train or not heldout:
         raise PipelineError(f"tasks: {len(train)} training and {len(heldout)} held-out tasks; both must be > 0 "
                             "(config.tasks.num_train / num_heldout / heldout_path)")
-    _write_jsonl(d / "train.jsonl", train)
-    _write_jsonl(d / "heldout.jsonl", heldout)
+    write_jsonl(d / "train.jsonl", train)
+    write_jsonl(d / "heldout.jsonl", heldout)
     return {"train": len(train), "heldout": len(heldout), "source": t.source}
 
 
@@ -262,8 +268,38 @@ def _policy_weights(text: str) -> dict[str, float]:
     return weights
 
 
+INIT_FIELDS = ("init", "model", "tasks")   # what decides the starting policy (not the run seed)
+
+
+def reuse_init(run: Run, d: pathlib.Path) -> dict:
+    """The init stage of another run (config.init.from_run) with the same init/model/tasks settings, copied:
+    the seeds of a comparison start from one starting policy, as the paper's runs all start from one checkpoint."""
+    src = pathlib.Path(run.config.init.from_run)
+    marker = src / "init" / DONE
+    if not marker.exists():
+        raise PipelineError(f"config.init.from_run={str(src)!r}: {marker} does not exist; run that workdir's "
+                            "pipeline first (or set init.from_run='' to train the starting policy here)")
+    theirs = json.loads((src / "pipeline_config.json").read_text())
+    ours = json.loads(run.config.to_json_best_effort())
+    differ = [f for key in INIT_FIELDS for f in _diff({key: theirs.get(key)}, {key: ours.get(key)})
+              if f != "init.from_run"]
+    if differ:
+        raise PipelineError(f"config.init.from_run={str(src)!r} was trained with other settings ({', '.join(differ)}); "
+                            "use the same values or set init.from_run=''")
+    summary = json.loads(marker.read_text())["summary"]
+    for name in ("policy_hf", "demos.jsonl"):
+        if (src / "init" / name).is_dir():
+            shutil.copytree(src / "init" / name, d / name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src / "init" / name, d / name)
+    return dict(summary, policy_hf=str(d / "policy_hf"), reused_from=str(src),
+                reused_seconds=json.loads(marker.read_text())["seconds"])
+
+
 def stage_init(run: Run, d: pathlib.Path) -> dict:
     config = run.config
+    if config.init.from_run:
+        return reuse_init(run, d)
     if config.init.kind == "path":
         if not config.init.path or not (pathlib.Path(config.init.path) / "config.json").exists():
             raise PipelineError(f"config.init.path={config.init.path!r} is not an HF checkpoint directory (no "
@@ -281,15 +317,23 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
     from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
     from sweet_jax.models import Llama, LlamaConfig, save_hf
 
-    # Mixed-quality demonstrations through the real environment, scored by the sandbox.
-    demos = synthetic.scripted_trajectories(load_task_split(run, "train"), seed=config.seed,
+    # Mixed-quality demonstrations through the real environment, scored by the sandbox, on tasks of their own
+    # (init.num_tasks fresh tasks, none a training or held-out task): with many distinct tasks the tiny model
+    # cannot memorise answers and has to learn to copy keys and values from the dialogue.
+    demo_tasks = load_task_split(run, "train")
+    if config.init.num_tasks:
+        taken = {t["ground_truth"] for split in ("train", "heldout") for t in load_task_split(run, split)}
+        pool = synthetic.make_tasks(config.init.num_tasks + len(taken), seed=config.init.seed + 7919,
+                                    min_keys=config.tasks.min_keys, max_keys=config.tasks.max_keys)
+        demo_tasks = [t for t in pool if t["ground_truth"] not in taken][:config.init.num_tasks]
+    demos = synthetic.scripted_trajectories(demo_tasks, seed=config.init.seed,
                                             per_task=config.init.demos_per_task,
                                             policy_weights=_policy_weights(config.init.policy_weights),
                                             evaluator=run.evaluator)
-    _write_jsonl(d / "demos.jsonl", demos)
+    write_jsonl(d / "demos.jsonl", demos)
     # SFT imitates every demonstration, good and bad (that is what makes the policy weak and varied); the
     # trainer's SFT kind (rft) keeps reward 1.0 rows, so the SFT copy marks every row as a target.
-    _write_jsonl(d / "sft_data.jsonl", [dict(t, reward=1.0, demo_reward=t["reward"]) for t in demos])
+    write_jsonl(d / "sft_data.jsonl", [dict(t, reward=1.0, demo_reward=t["reward"]) for t in demos])
 
     tok = load_tokenizer(tokenizer_dir(config))
     m = config.model
@@ -298,16 +342,17 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
         eos_token_id=tuple(sorted(end_of_turn_ids(tok))))
-    model = Llama(llama_config, rngs=nnx.Rngs(config.seed))
+    model = Llama(llama_config, rngs=nnx.Rngs(config.init.seed))
     parameters = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
     save_hf(model, d / "random_hf", tokenizer_dir=tokenizer_dir(config))
     tconfig = train_config(config, kind="rft", stage=config.init.sft, model_path=str(d / "random_hf"),
                            trajectories=str(d / "sft_data.jsonl"))
+    tconfig.train.seed = config.init.seed   # the starting policy is the run seeds' common "pretrained" model
     trained = train_and_export(run, d, tconfig)
     rewards = np.array([t["reward"] for t in demos])
     shutil.rmtree(d / "policy_hf", ignore_errors=True)   # left by an interrupted earlier attempt
     os.replace(d / "hf", d / "policy_hf")
-    return {"policy_hf": str(d / "policy_hf"), "kind": "sft", "demos": len(demos),
+    return {"policy_hf": str(d / "policy_hf"), "kind": "sft", "demos": len(demos), "demo_tasks": len(demo_tasks),
             "demo_success_pct": float(100 * np.mean(rewards == 1.0)),
             "demo_tests_passed_pct": float(100 * rewards.mean()),
             "sft": {k: v for k, v in trained.items() if k != "hf"},
@@ -322,22 +367,19 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
     """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so on
     one device the run keeps one Sampler and swaps its parameters: its compiled prefill/decode programs
     (one per shape) are reused by every rollout instead of being compiled again for each policy."""
-    from flax import nnx
-
     from sweet_jax.models import load_hf
     from sweet_jax.rollout import load_model_sampler, make_mesh
 
     c = run.config
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
     mesh = make_mesh(tuple(c.train.sampler_mesh_shape))
-    sampler = run.sampler
-    if sampler is not None and mesh is None:
-        model = load_hf(hf_dir, dtype=dtype or None)
-        graphdef, state = nnx.split(model)
-        if graphdef == sampler.graphdef:
-            sampler.model, sampler.state = model, state
-            sampler._seeds = np.random.default_rng(seed)
-            return sampler
+    if run.sampler is not None:
+        from sweet_jax.generate import GenerateError
+        try:
+            run.sampler.set_params(load_hf(hf_dir, dtype=dtype or None), seed=seed)
+            return run.sampler
+        except GenerateError:  # another architecture: a new Sampler (and new compilations)
+            pass
     run.sampler = load_model_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
                                      max_batch_size=c.train.max_batch_size)
     return run.sampler
@@ -390,7 +432,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
             scores = run.evaluator.score_many([(t["task"], t["answer"]) for t in unscored])
             for t, s in zip(unscored, scores):
                 t["reward"] = float(s.reward) if s.status == "ok" else 0.0
-        _write_jsonl(out, trajs)
+        write_jsonl(out, trajs)
         from sweet_jax.rollout import summarize
         summary = summarize(trajs)
     else:
@@ -408,7 +450,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
                 load_task_split(run, "train"), seed=c.seed + 1, per_task=c.collect.scripted_per_task,
                 policy_weights=_policy_weights(c.init.policy_weights), evaluator=run.evaluator)
             trajs += [dict(t, scripted=True) for t in scripted]
-        _write_jsonl(out, trajs)
+        write_jsonl(out, trajs)
         from sweet_jax.rollout import summarize
         summary = dict(summarize([t for t in trajs if not t.get("scripted")]), scripted=len(trajs) - len(
             [t for t in trajs if not t.get("scripted")]))
@@ -472,7 +514,7 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
         for p, cand in zip(batch, cands):
             rows.append({"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": cand.texts,
                          "sampler_logp": [float(x) for x in cand.sampler_logp], "prompt_text": cand.prompt_text})
-    _write_jsonl(d / "candidates.jsonl", rows)
+    write_jsonl(d / "candidates.jsonl", rows)
     distinct = np.mean([len(set(r["texts"])) for r in rows]) if rows else 0.0
     return {"prompts": len(rows), "candidates": sum(len(r["texts"]) for r in rows),
             "mean_distinct_per_prompt": float(distinct)}
@@ -568,6 +610,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 
     c = run.config
     s = summaries
+    records = [json.loads(f.read_text()) for f in run.workdir.glob(f"**/{DONE}")]
     diagnostics = {
         "offline_success_pct": 100.0 * s["offline"]["success_rate"] if s["offline"].get("success_rate") is not None
         else None,
@@ -579,7 +622,10 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "policy_pairs_no_info": s.get("rank_no_info", {}).get("pairs"),
         "pair_agreement": s.get("pair_agreement"),
         # every stage's own wall-clock time, summed over the invocations that ran them (resumes included)
-        "minutes": sum(json.loads(f.read_text())["seconds"] for f in run.workdir.glob(f"**/{DONE}")) / 60.0,
+        "minutes": sum(r["seconds"] for r in records) / 60.0,
+        "cpu_minutes": sum(r.get("cpu_seconds", 0.0) for r in records) / 60.0,
+        "load_average": float(np.mean([x for r in records for x in r.get("load_average", [])] or [np.nan])),
+        "init_reused_from": s["init"].get("reused_from"),
     }
     if c.tasks.source == "synthetic":  # the synthetic tasks know every reply's worth: check the rankings
         from sweet_jax import pipeline_diagnostics

@@ -86,6 +86,9 @@ DIAGNOSTICS = (
     ("pair_oracle_agreement", "pairs with c whose chosen reply is truly better (%, synthetic oracle)"),
     ("pair_oracle_agreement_no_info", "pairs without c whose chosen reply is truly better (%)"),
     ("minutes", "wall-clock minutes of all stages"),
+    ("cpu_minutes", "CPU minutes of all stages (this process)"),
+    ("load_average", "mean 1-min load average at the stages' starts and ends"),
+    ("init_reused_from", "starting policy copied from"),
 )
 
 
@@ -95,7 +98,8 @@ def _diagnostics(runs: Sequence[dict]) -> list[str]:
         values = [r.get("diagnostics", {}).get(key) for r in runs]
         if all(v is None for v in values):
             continue
-        cells = ["n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v)) for v in values]
+        cells = ["n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else
+                                          pathlib.Path(v).name if isinstance(v, str) else str(v)) for v in values]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
 

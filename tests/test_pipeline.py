@@ -68,7 +68,9 @@ def test_tasks_split_into_train_and_heldout(workdir):
 def test_starting_policy_is_sft_on_scored_mixed_demonstrations(workdir):
     demos = read_jsonl(workdir / "init/demos.jsonl")
     rewards = np.array([d["reward"] for d in demos])
-    assert len(demos) == 12 * 2 and ((rewards >= 0) & (rewards <= 1)).all()
+    assert len(demos) == 24 and ((rewards >= 0) & (rewards <= 1)).all()   # init.num_tasks fresh tasks, 1 each
+    used = {t.key for split in ("train", "heldout") for t in load_tasks(workdir / f"tasks/{split}.jsonl")}
+    assert not {load_trajectories(workdir / "init/demos.jsonl")[i].task.key for i in range(24)} & used
     assert (rewards == 1.0).any() and (rewards < 1.0).any()          # mixed quality
     init, trained = hf_params(workdir / "init/random_hf"), hf_params(workdir / "init/policy_hf")
     assert init.keys() == trained.keys()
@@ -157,6 +159,31 @@ def test_rerun_skips_every_completed_stage(workdir):
     assert "| SWEET-RL |" in proc.stdout   # the table is printed again
 
 
+def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
+    for stage in ("init", "critic", "eval/sweet"):
+        record = json.loads((workdir / stage / "done.json").read_text())
+        assert record["seconds"] > 0 and record["cpu_seconds"] > 0 and len(record["load_average"]) == 2
+    diagnostics = json.loads((workdir / "results.json").read_text())["diagnostics"]
+    assert diagnostics["cpu_minutes"] > 0 and diagnostics["minutes"] > 0
+
+
+def test_another_seed_reuses_the_starting_policy_of_a_finished_run(workdir, tmp_path):
+    sys.path.insert(0, str(REPO))
+    from configs import pipeline as pipeline_configs
+
+    c = pipeline_configs.get_config("test")
+    c.seed, c.init.from_run = 1, str(workdir)
+    run = pipeline.Run(c, tmp_path)
+    summary = pipeline.stage_init(run, tmp_path)
+    assert summary["reused_from"] == str(workdir) and summary["policy_hf"] == str(tmp_path / "policy_hf")
+    assert hf_params(tmp_path / "policy_hf").keys() == hf_params(workdir / "init/policy_hf").keys()
+    assert all(np.array_equal(a, b) for a, b in zip(hf_params(tmp_path / "policy_hf").values(),
+                                                    hf_params(workdir / "init/policy_hf").values()))
+    c.model.hidden_size = 64   # another starting policy: reusing would mix two comparisons
+    with pytest.raises(pipeline.PipelineError, match="model.hidden_size"):
+        pipeline.stage_init(pipeline.Run(c, tmp_path / "other"), tmp_path / "other")
+
+
 def test_mean_table_over_seeds():
     def run(seed, sweet):
         return {"seed": seed, "model": "m", "heldout_tasks": 4, "methods": {
@@ -203,3 +230,30 @@ def test_synthetic_oracle_values_answers_and_questions():
                     {"role": "user", "content": "The design team is on floor 6."}]
     assert reply_worth(task, told, "Which floor is the sales team on?") == pytest.approx(2 / 3)
     assert reply_worth(task, told, "Could you tell me more?") == pytest.approx(1 / 3)
+
+
+def test_policy_behaviour_measures_questions_and_copy_accuracy():
+    from sweet_jax.data import synthetic
+    from sweet_jax.pipeline_diagnostics import policy_behaviour
+
+    task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
+    theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)
+    answer = dict(truth, sales=(truth["sales"] + 1) % 10, finance=(truth["finance"] + 1) % 10)
+    dialogue = [{"role": "user", "content": task["problem_description"]},
+                {"role": "assistant", "content": "Which floor is the design team on?"},
+                {"role": "user", "content": synthetic.simulator_reply(task, [{"content": "design"}])},
+                {"role": "assistant", "content": "Which floor is the sales team on?"},
+                {"role": "user", "content": synthetic.simulator_reply(task, [{"content": "sales"}])},
+                {"role": "assistant", "content": "Which floor is the legal team on?"},   # not a key of the task
+                {"role": "user", "content": "That one is not in my list, so it gives 0."},
+                {"role": "assistant", "content": "I WANT TO ANSWER:\n" + synthetic.lookup_code(
+                    theme.function, theme.argument, answer)}]
+    scripted = {"task": task, "dialogue_history": dialogue[:2], "reward": 1.0, "scripted": True}
+    b = policy_behaviour([{"task": task, "dialogue_history": dialogue, "reward": 0.5}, scripted])
+    assert b["episodes"] == 1 and b["success_pct"] == 0.0          # the scripted episode is not the policy's
+    assert b["questions_per_episode"] == 3
+    assert b["questions_naming_a_task_key_pct"] == pytest.approx(200 / 3)
+    assert b["questions_naming_another_key_pct"] == pytest.approx(100 / 3)
+    assert b["answer_key_coverage_pct"] == 100.0
+    assert b["copy_accuracy_pct"] == 50.0          # design copied, sales stated but written wrong
+    assert b["guess_accuracy_pct"] == 0.0          # finance never asked, guessed wrong
