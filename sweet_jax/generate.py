@@ -22,7 +22,7 @@ Where a decode step's time goes (CPU, batch 8, the 24M bench model): reading the
 of it the unembedding) and the attended K/V; see BENCHMARKS.md "Sampler" for the roofline. Hence: no cache
 transpose per step (heads-major layout), vocabulary-wide work limited to one matmul plus max / sum reductions
 (first_argmax, token_logprob, inverse_cdf_draw: no argmax reduction, no [N, V] log-softmax or random numbers),
-and the unembedding split in column blocks that run on all cores (_split_unembedding).
+and the unembedding split in column blocks that run on all cores (_split_unembedding, made once per batch).
 
 Log-probs: `Sample.logprobs[i]` is log p_model(token_i | prefix): the log-softmax of the model's raw logits,
 i.e. the model's distribution at temperature 1.0 with no top-k / top-p filtering, whatever temperature was
@@ -217,12 +217,15 @@ def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
     return logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=-1)
 
 
-def _split_unembedding(model, mesh) -> list[jax.Array]:
-    """The [D, V] unembedding as column blocks, one per core, copied once before a decode loop. XLA:CPU runs a
-    matmul on one thread, and the unembedding is half of the bytes a small model's decode step reads (the 24M
-    bench model: 33 of 64 MB); independent blocks run on all the cores at once. Also materialises a tied
-    embedding's transpose once, not at every step. On a mesh or an accelerator it stays one array."""
-    unembed_DV = model.unembedding()
+def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
+    """The [D, V] unembedding as column blocks, one per core, made once per batch by its own compiled program
+    (inside the decode program XLA sinks the slices into the loop: a 33 MB copy at every step of the 24M bench
+    model, 0.4 ms of an 8 ms step). XLA:CPU runs a matmul on one thread at about one core's read bandwidth, and
+    the unembedding is half of the bytes a small model's decode step reads (the 24M bench model: 33 of 64 MB);
+    the blocks' dots run on all the cores at once. Also materialises a tied embedding's transpose once, not at
+    every step. On a mesh or an accelerator it stays one array. (Cutting the decoder layers' kernels the same
+    way made the 24M model's step slower: 9.1 -> 10.3-11.6 ms.)"""
+    unembed_DV = nnx.merge(graphdef, state).unembedding()
     if mesh is not None or jax.default_backend() != "cpu":
         return [unembed_DV]
     V = unembed_DV.shape[1]
@@ -280,7 +283,8 @@ def _grow_cache(cache, *, width: int, mesh):
     return _constrain_batch(jax.tree_util.tree_map(grow, cache), mesh, rows)
 
 
-def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, width: int, pad_id: int, mesh):
+def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_width: int, width: int, pad_id: int,
+            mesh):
     """Run the decode loop from carry['step'] until step_limit or until every row is done, attending over the
     first `width` cache slots (the caller keeps prompt_width + step_limit <= width).
 
@@ -288,10 +292,10 @@ def _decode(graphdef, state, carry, rows, step_limit, *, prompt_width: int, widt
            length [N], tokens [N,T], logprobs [N,T]
     rows:  prompt_len [N], cache_mask [N,L], temperature [N], top_p [N], top_k [N], max_new [N],
            stop_ids [N,S] (-1 = unused), keys [N,2]
+    unembed_parts: the unembedding's column blocks (_split_unembedding)
     """
     model = nnx.merge(graphdef, state)
     cache_mask_NW = rows["cache_mask"][:, :width]
-    unembed_parts = _split_unembedding(model, mesh)
 
     def cond(c):
         return (c["step"] < step_limit) & ~jnp.all(c["done"])
@@ -353,6 +357,7 @@ class Sampler:
         self._prefill_fns: dict[tuple[int, int], Any] = {}
         self._decode_fns: dict[tuple[int, int], Any] = {}
         self._grow_fns: dict[int, Any] = {}
+        self._unembed_fn = jax.jit(functools.partial(_split_unembedding, mesh=mesh))
 
     @property
     def graphdef(self):
@@ -550,6 +555,7 @@ class Sampler:
 
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
+        unembed_parts = self._unembed_fn(graphdef, state)
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
@@ -574,7 +580,7 @@ class Sampler:
             step = min(width - P, checked + chunk, max_new)
             if _cache_width(carry["cache"]) < width:
                 carry["cache"] = self._grow_fn(width)(carry["cache"])
-            carry = self._decode_fn(P, width)(graphdef, state, carry, rows, jnp.int32(step))
+            carry = self._decode_fn(P, width)(graphdef, state, carry, rows, jnp.int32(step), unembed_parts)
             if not has_stop_strings or step < min(checked + chunk, max_new):
                 continue
             checked = step
