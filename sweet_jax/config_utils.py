@@ -68,6 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss.nll_coef = 0.0
     c.loss.label_smoothing = 0.0
     c.loss.use_info = True            # critic sees the training-time information c (False = the "without c" baseline)
+    # True: the log-probs (unembedding, vocabulary softmax, their backward) run at the action tokens only, the
+    # batch's score_pos; the same loss, less work where most tokens are prompt, dialogue or history.
+    c.loss.score_positions = True
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices

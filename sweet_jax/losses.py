@@ -87,30 +87,32 @@ def _label_logprobs_bwd(residuals, g_BC):
 _label_logprobs_keep_logits.defvjp(_label_logprobs_fwd, _label_logprobs_bwd)
 
 
-def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array, *,
-                   chunk_size: int = 512) -> jax.Array:
-    """Label log-probs from final hidden states, computed `chunk_size` positions at a time.
-
-    Same values and gradients as `token_logprobs_naive(hidden @ unembed, ids)`, but [B, T, V] float32 logits
-    never exist when T - 1 > chunk_size: the forward keeps one [B, chunk, V] block at a time, and each chunk is
-    rematerialised in the backward pass (jax.checkpoint), so the scan saves only its [B, chunk, D] inputs.
-    When everything fits in one chunk, remat would save no peak memory, so the logits are kept for a fused
-    backward (d logp / d logits = onehot - softmax in one pass; 0.87x the time of a whole CPU critic step).
-    """
+def _check_chunk(chunk_size: int) -> None:
     if chunk_size < 1:
         raise LossConfigError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}.")
-    B, T, D = hidden_BTD.shape
-    n = T - 1  # position t predicts token t+1
-    if n <= 0:
-        return jnp.zeros((B, T), jnp.float32)
+
+
+def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.Array, *,
+                   chunk_size: int = 512) -> jax.Array:
+    """log softmax(hidden @ unembed)[label] per position -> [B, N] float32, `chunk_size` positions at a time.
+
+    [B, N, V] float32 logits never exist when N > chunk_size: the forward keeps one [B, chunk, V] block at a
+    time, and each chunk is rematerialised in the backward pass (jax.checkpoint), so the scan saves only its
+    [B, chunk, D] inputs. When everything fits in one chunk, remat would save no peak memory, so the logits are
+    kept for a fused backward (d logp / d logits = onehot - softmax in one pass; 0.87x the time of a whole CPU
+    critic step).
+    """
+    _check_chunk(chunk_size)
+    B, n, D = hidden_BND.shape
+    if n == 0:
+        return jnp.zeros((B, 0), jnp.float32)
     chunk = min(chunk_size, n)
     num_chunks = -(-n // chunk)
     if num_chunks == 1:
-        logp = _label_logprobs_keep_logits(hidden_BTD[:, :-1], input_ids_BT[:, 1:], unembed_DV)
-        return jnp.pad(logp, ((0, 0), (1, 0)))
+        return _label_logprobs_keep_logits(hidden_BND, labels_BN, unembed_DV)
     pad = num_chunks * chunk - n
-    hidden = jnp.pad(hidden_BTD[:, :-1], ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(input_ids_BT[:, 1:], ((0, 0), (0, pad)))
+    hidden = jnp.pad(hidden_BND, ((0, 0), (0, pad), (0, 0)))
+    labels = jnp.pad(labels_BN, ((0, 0), (0, pad)))
     # [num_chunks, B, chunk, ...]: scan over the leading axis.
     hidden_NBCD = hidden.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
     labels_NBC = labels.reshape(B, num_chunks, chunk).swapaxes(0, 1)
@@ -122,8 +124,38 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: j
         return None, chunk_fn(h, y, unembed_DV)
 
     _, logp_NBC = jax.lax.scan(body, None, (hidden_NBCD, labels_NBC))
-    logp = logp_NBC.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :n]
+    return logp_NBC.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :n]
+
+
+def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array, *,
+                   chunk_size: int = 512) -> jax.Array:
+    """Label log-probs of every position from final hidden states: logp_BT[:, t] = log p(input_ids[:, t] |
+    hidden at t-1), logp_BT[:, 0] = 0. Same values and gradients as `token_logprobs_naive(hidden @ unembed,
+    ids)`, computed by `label_logprobs` (chunked)."""
+    _check_chunk(chunk_size)
+    B, T, _ = hidden_BTD.shape
+    if T <= 1:
+        return jnp.zeros((B, T), jnp.float32)
+    logp = label_logprobs(hidden_BTD[:, :-1], unembed_DV, input_ids_BT[:, 1:], chunk_size=chunk_size)
     return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def token_logprobs_at(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array,
+                      positions_BS: jax.Array, *, chunk_size: int = 512) -> jax.Array:
+    """`token_logprobs(...)` read at `positions_BS` only ([B, S] int, -1 = padding, which gets 0) -> [B, S].
+
+    The losses need the log-probs of the action tokens alone, so the trainer passes their positions (the
+    batch's `score_pos`): the unembedding, the log-softmax over the vocabulary and their backward then run
+    on S positions instead of T (the critic's dialogue or the policy's history is mostly not scored).
+    Position 0 predicts nothing and gets 0, as in token_logprobs.
+    """
+    _check_chunk(chunk_size)
+    valid_BS = positions_BS > 0
+    prev_BS = jnp.maximum(positions_BS - 1, 0)
+    hidden_BSD = jnp.take_along_axis(hidden_BTD, prev_BS[..., None], axis=1)
+    labels_BS = jnp.take_along_axis(input_ids_BT, jnp.maximum(positions_BS, 0), axis=1)
+    logp = label_logprobs(hidden_BSD, unembed_DV, labels_BS, chunk_size=chunk_size)
+    return jnp.where(valid_BS, logp, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

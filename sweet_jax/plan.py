@@ -225,6 +225,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh)  # noqa: E731
     batch = {"input_ids": sds((B, P, T), jnp.int32), "attention_mask": sds((B, P, T), jnp.int32),
              "turn_ids": sds((B, P, T), jnp.int32), "weight": sds((B,), jnp.float32)}
+    # No score_pos: the full-sequence log-prob path, which the trainer also runs for a batch whose action tokens
+    # fill the bucket T (loss.score_positions uses S < T positions otherwise): the worst case.
     ref_in_step = config.train.ref_logp == "in_step"
     if kind != "rft" and not ref_in_step:
         batch["ref_logp"] = sds((B, P, T), jnp.float32)

@@ -152,10 +152,42 @@ def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *
 
 
 def _pair_logprobs(graphdef, params, rest, batch, chunk_size):
+    """Label log-probs [B, P, T]; with batch['score_pos'] [B, P, S] (the action tokens' positions, -1 = padding,
+    from BatchIterator(score_positions=True)), only there: [B, P, S], the unembedding run on S positions."""
     B, P, T = batch["input_ids"].shape
-    logp = sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
-                             batch["attention_mask"].reshape(B * P, T), chunk_size=chunk_size)
-    return logp.reshape(B, P, T)
+    if "score_pos" not in batch:
+        return sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
+                                 batch["attention_mask"].reshape(B * P, T), chunk_size=chunk_size).reshape(B, P, T)
+    model = nnx.merge(graphdef, params, rest)
+    ids_NT = batch["input_ids"].reshape(B * P, T)
+    hidden_NTD = model.hidden_states(ids_NT, batch["attention_mask"].reshape(B * P, T))
+    S = batch["score_pos"].shape[-1]
+    logp = losses.token_logprobs_at(hidden_NTD, model.unembedding(), ids_NT, batch["score_pos"].reshape(B * P, S),
+                                    chunk_size=chunk_size)
+    return logp.reshape(B, P, S)
+
+
+def pair_loss(spec: "LossSpec", graphdef, params, rest, batch, ref_params, denom):
+    """(loss, metrics) of one (micro-)batch: the policy's log-probs, the reference's (batch['ref_logp'], or a
+    frozen forward of ref_params with no gradient through it), then spec's loss. With batch['score_pos'] every
+    per-token array is read at the scored positions; the loss is the same (it sums over action tokens only)."""
+    logp = _pair_logprobs(graphdef, params, rest, batch, spec.chunk_size)
+    ref = None
+    if spec.needs_ref:
+        if ref_params is not None:
+            ref = jax.lax.stop_gradient(_pair_logprobs(graphdef, ref_params, rest, batch, spec.chunk_size))
+        else:
+            ref = _at_scored(batch["ref_logp"], batch)
+    if "score_pos" in batch:
+        batch = dict(batch, turn_ids=jnp.where(batch["score_pos"] >= 0, _at_scored(batch["turn_ids"], batch), 0))
+    return spec.loss(logp, ref, batch, denom)
+
+
+def _at_scored(x_BPT, batch):
+    """A per-token array at the batch's scored positions ([B, P, S]; padding reads position 0), or as it is."""
+    if "score_pos" not in batch:
+        return x_BPT
+    return jnp.take_along_axis(x_BPT, jnp.maximum(batch["score_pos"], 0), axis=-1)
 
 
 def _weight(batch):
@@ -213,14 +245,7 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     denom = spec.denominator(batch)
 
     def loss_fn(p, micro):
-        logp = _pair_logprobs(graphdef, p, rest, micro, spec.chunk_size)
-        ref = None
-        if spec.needs_ref:
-            if ref_params is not None:  # in-step reference: a frozen forward, no gradient through it
-                ref = jax.lax.stop_gradient(_pair_logprobs(graphdef, ref_params, rest, micro, spec.chunk_size))
-            else:
-                ref = micro["ref_logp"]
-        return spec.loss(logp, ref, micro, denom)
+        return pair_loss(spec, graphdef, p, rest, micro, ref_params, denom)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     B = batch["input_ids"].shape[0]

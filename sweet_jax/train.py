@@ -202,11 +202,13 @@ class Dataset:
 
     def gather_lengths(self) -> None:
         from sweet_jax.data import batching
-        self.lengths = batching.gather_lengths(np.asarray(self.ids), batching.example_lengths(self.examples))
+        self.lengths = batching.gather_lengths(np.asarray(self.ids),
+                                               batching.example_lengths(self.examples, scored=True))
 
     def batches(self, config, *, pad_id: int, process_index: int = 0, process_count: int = 1, **kwargs):
         """A data.batching.BatchIterator over this split (its position goes into the checkpoint)."""
         from sweet_jax.data.batching import BatchIterator
+        kwargs.setdefault("score_positions", bool(config.loss.get("score_positions", False)))
         return BatchIterator(
             self.examples, batch_size=config.train.batch_size, seed=config.train.seed, pad_id=pad_id,
             padding_side=config.data.padding_side, max_len=config.data.max_len, bucket_size=config.data.bucket,
@@ -417,9 +419,9 @@ def to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def one_pass(dataset: Dataset, make_batches):
+def one_pass(dataset: Dataset, make_batches, **kwargs):
     """(iterator, steps) over every example once, longest first (little padding, few shapes to compile)."""
-    it = make_batches(dataset, shuffle=False, longest_first=True, num_epochs=1)
+    it = make_batches(dataset, shuffle=False, longest_first=True, num_epochs=1, **kwargs)
     return it, range(it.steps_per_epoch)
 
 
@@ -429,7 +431,7 @@ def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding
     from tqdm.auto import tqdm
     import jax
 
-    it, steps = one_pass(dataset, make_batches)
+    it, steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
     refs: list = [None] * len(dataset)
     lo = it.process_index * it.local_batch_size
     for step in tqdm(steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
@@ -453,16 +455,7 @@ def make_eval_fn(config, state, mesh, spec):
     graphdef, rest = state.graphdef, state.rest
 
     def fn(params, batch, ref_params=None):
-        B, P, T = batch["input_ids"].shape
-
-        def logp(p):
-            return steps.sequence_logprobs(graphdef, p, rest, batch["input_ids"].reshape(B * P, T),
-                                           batch["attention_mask"].reshape(B * P, T),
-                                           chunk_size=spec.chunk_size).reshape(B, P, T)
-        ref = None
-        if spec.needs_ref:
-            ref = batch["ref_logp"] if ref_params is None else logp(ref_params)
-        _, metrics = spec.loss(logp(params), ref, batch, spec.denominator(batch))
+        _, metrics = steps.pair_loss(spec, graphdef, params, rest, batch, ref_params, spec.denominator(batch))
         return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in metrics.items()}
 
     params_sh = steps.shardings_of(state.params)

@@ -6,6 +6,7 @@ import pytest
 
 from sweet_jax.data import (BatchError, BatchIterator, Rendered, bucket_lengths, collate, example_lengths,
                             host_range)
+from sweet_jax.data.batching import bucket_for
 
 
 def make_examples(n=37, P=2, seed=0, max_len=300):
@@ -122,7 +123,7 @@ def simulated_hosts(examples, n, *, drop=(), **kwargs):
     N, B = len(examples), kwargs["batch_size"]
     kept = [[i for i in host_range(N, B, p, n) if i not in drop] for p in range(n)]
     ids = np.concatenate([np.array(k, np.int64) for k in kept])
-    lengths = example_lengths([examples[i] for i in ids])
+    lengths = example_lengths([examples[i] for i in ids], scored=kwargs.get("score_positions", False))
     return [BatchIterator([examples[i] for i in kept[p]], example_ids=kept[p], num_global=N, process_index=p,
                           process_count=n, global_lengths=(ids, lengths), **kwargs) for p in range(n)]
 
@@ -137,12 +138,12 @@ def test_host_slices_are_disjoint_and_cover_the_examples(hosts):
         assert all(s == set(range(min(s), max(s) + 1)) for s in slices if s)
 
 
-@pytest.mark.parametrize("hosts", [2, 4])
-def test_hosts_build_the_single_host_batches_from_their_own_slices(hosts):
+@pytest.mark.parametrize("hosts, score_positions", [(2, False), (4, False), (2, True)])
+def test_hosts_build_the_single_host_batches_from_their_own_slices(hosts, score_positions):
     """Each host holds only its slice; the rows of all hosts make exactly the single-host batch, every host
-    with the same T and number of steps, also when the length policy dropped examples on some host."""
+    with the same T (and S) and number of steps, also when the length policy dropped examples on some host."""
     ex = make_examples()
-    kwargs = dict(batch_size=8, seed=2, max_len=300, num_epochs=2)
+    kwargs = dict(batch_size=8, seed=2, max_len=300, num_epochs=2, score_positions=score_positions)
     for drop in ((), (3, 20, 36)):
         keep = [i for i in range(len(ex)) if i not in drop]
         single = BatchIterator([ex[i] for i in keep], example_ids=keep, num_global=len(ex), **kwargs)
@@ -227,3 +228,31 @@ def test_bad_configs_are_explained():
     with pytest.raises(BatchError, match="holds examples"):  # host 1 of 2 given host 0's slice
         BatchIterator(ex[:2], batch_size=2, example_ids=[0, 1], num_global=4, process_index=1, process_count=2,
                       global_lengths=([0, 1], [5, 5]))
+
+
+def test_score_positions_list_the_action_tokens_of_each_row():
+    """score_pos holds each sequence's action-token positions (either padding side), then -1, in a bucket S that
+    covers the batch's most action tokens over all its rows; it is left out when S would reach T."""
+    ex = make_examples(n=16, max_len=300)
+    it = BatchIterator(ex, batch_size=4, max_len=300, shuffle=False, score_positions=True, padding_side="left")
+    seen = 0
+    for _ in range(it.steps_per_epoch):
+        batch = next(it)
+        T = batch["input_ids"].shape[-1]
+        most = int((batch["turn_ids"] > 0).sum(-1).max())
+        if "score_pos" not in batch:
+            assert bucket_for(most, it.buckets) == T
+            continue
+        seen += 1
+        S = batch["score_pos"].shape[-1]
+        assert S == bucket_for(most, it.buckets) < T
+        for row_turns, row_pos in zip(batch["turn_ids"].reshape(-1, T), batch["score_pos"].reshape(-1, S)):
+            n = int((row_turns > 0).sum())
+            np.testing.assert_array_equal(row_pos[:n], np.flatnonzero(row_turns > 0))
+            assert np.all(row_pos[n:] == -1)
+    assert seen > 0
+    with pytest.raises(BatchError, match="score_length"):
+        collate([ex[0]], length=300, score_length=2)
+    with pytest.raises(BatchError, match="action-token count"):
+        BatchIterator(ex, batch_size=4, score_positions=True,
+                      global_lengths=(np.arange(len(ex)), example_lengths(ex)))

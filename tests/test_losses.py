@@ -295,3 +295,33 @@ def test_token_logprobs_gradient_matches_finite_differences():
                 args_p = (h + e, w) if which == 0 else (h, w + e)
                 args_m = (h - e, w) if which == 0 else (h, w - e)
                 np.testing.assert_allclose(g[idx], (fn(*args_p) - fn(*args_m)) / (2 * eps), rtol=1e-5, atol=1e-8)
+
+
+def test_logprobs_at_positions_equal_the_full_sequence_ones_read_there():
+    """token_logprobs_at(positions) == token_logprobs(...)[positions] (0 at padding -1 and at position 0), values
+    and gradients, single chunk and several."""
+    rng = np.random.default_rng(11)
+    B, T, D, V, S = 3, 29, 8, 41, 12
+    hidden = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+    unembed = jnp.asarray(rng.normal(size=(D, V)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    pos = np.full((B, S), -1, np.int32)
+    pos[0, :5] = [0, 3, 4, 5, 28]          # position 0 predicts nothing
+    pos[1, :S] = np.arange(10, 10 + S)     # full
+    pos[2, :2] = [1, 2]
+    pos = jnp.asarray(pos)
+    weights = jnp.asarray(rng.normal(size=(B, S)), jnp.float32)
+
+    def full_at(h, w, chunk):
+        logp = losses.token_logprobs(h, w, ids, chunk_size=chunk)
+        return jnp.where(pos >= 0, jnp.take_along_axis(logp, jnp.maximum(pos, 0), axis=1), 0.0)
+
+    for chunk in (4, 64):
+        got = losses.token_logprobs_at(hidden, unembed, ids, pos, chunk_size=chunk)
+        np.testing.assert_allclose(got, full_at(hidden, unembed, chunk), rtol=1e-5, atol=1e-6)
+        assert np.asarray(got)[0, 0] == 0 and np.all(np.asarray(got)[2, 2:] == 0)
+        g_at = jax.grad(lambda h, w: jnp.sum(weights * losses.token_logprobs_at(h, w, ids, pos, chunk_size=chunk)),
+                        argnums=(0, 1))(hidden, unembed)
+        g_full = jax.grad(lambda h, w: jnp.sum(weights * full_at(h, w, chunk)), argnums=(0, 1))(hidden, unembed)
+        for a, b in zip(g_at, g_full):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

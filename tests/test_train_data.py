@@ -47,7 +47,7 @@ def hosts_datasets(config, tokenizer, hosts, monkeypatch):
         parts.append(train.build_datasets(config, tokenizer, process_index=p, process_count=hosts))
     for split in (0, 1):
         ids = np.concatenate([np.asarray(part[split].ids, np.int64) for part in parts])
-        lengths = np.concatenate([batching.example_lengths(part[split].examples) for part in parts])
+        lengths = np.concatenate([batching.example_lengths(part[split].examples, scored=True) for part in parts])
         for part in parts:
             part[split].lengths = (ids, lengths)
     return parts, rendered

@@ -60,19 +60,27 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
                      "length policy (max_len) when building examples, or raise max_len")
 
 
-def example_lengths(examples: Sequence[tuple[Rendered, ...]]) -> np.ndarray:
-    """[N] int: the longest of each example's P sequences (what decides its bucket)."""
-    return np.array([max(len(s) for s in ex) for ex in examples], np.int64)
+def example_lengths(examples: Sequence[tuple[Rendered, ...]], *, scored: bool = False) -> np.ndarray:
+    """[N] int: the longest of each example's P sequences (what decides its bucket T). scored=True: [N, 2], the
+    second column the most action tokens (turn id > 0) in one of its sequences (what decides S, see collate)."""
+    longest = np.array([max(len(s) for s in ex) for ex in examples], np.int64)
+    if not scored:
+        return longest
+    most = np.array([max(int(np.count_nonzero(s.turn_ids)) for s in ex) for ex in examples], np.int64)
+    return np.stack([longest, most], axis=1).reshape(len(examples), 2)
 
 
 def collate(examples: Sequence[tuple[Rendered, ...] | None], *, length: int, pad_id: int = 0,
             padding_side: str = "right", weights: Sequence[float] | None = None,
-            extras: Extras | None = None, num_sequences: int | None = None) -> dict[str, np.ndarray]:
+            extras: Extras | None = None, num_sequences: int | None = None,
+            score_length: int | None = None) -> dict[str, np.ndarray]:
     """Stack B examples of P sequences into [B, P, length] arrays.
 
     None in `examples` is a filler row: one pad token (so no query is left without a key), weight 0.
     extras: name -> per example (aligned with `examples`, None for fillers) a tuple of P per-token arrays as
     long as the sequences, e.g. reference log-probs; padded with 0 like turn_ids.
+    score_length S: when S < length, also `score_pos` int32 [B, P, S], the positions of each sequence's action
+    tokens (turn id > 0) in its row, in order, then -1: the losses need log-probs there only (steps.pair_loss).
     """
     if padding_side not in ("right", "left"):
         raise BatchError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
@@ -111,7 +119,21 @@ def collate(examples: Sequence[tuple[Rendered, ...] | None], *, length: int, pad
         w = np.array([ex is not None for ex in examples], np.float32)
     else:
         w = np.asarray(weights, np.float32)
+    if score_length is not None and score_length < length:  # S = T: the full-sequence path is as cheap
+        extra_out["score_pos"] = score_positions(turn_ids, score_length)
     return {"input_ids": input_ids, "attention_mask": mask, "turn_ids": turn_ids, "weight": w, **extra_out}
+
+
+def score_positions(turn_ids: np.ndarray, length: int) -> np.ndarray:
+    """[..., T] turn ids -> [..., length] int32: the positions with turn id > 0 in order, then -1."""
+    flat = turn_ids.reshape(-1, turn_ids.shape[-1])
+    out = np.full((len(flat), length), -1, np.int32)
+    for row, ids in enumerate(flat):
+        where = np.flatnonzero(ids > 0)
+        if len(where) > length:
+            raise BatchError(f"a sequence has {len(where)} action tokens, more than score_length={length}")
+        out[row, :len(where)] = where
+    return out.reshape(*turn_ids.shape[:-1], length)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,13 +171,14 @@ def gather_lengths(example_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.nda
         return ids, lengths
     from jax.experimental import multihost_utils
 
+    columns = lengths.reshape(len(ids), -1)  # [N] lengths or [N, k] (example_lengths(scored=True))
     counts = np.asarray(multihost_utils.process_allgather(np.array([len(ids)], np.int32))).reshape(-1)
-    padded = np.full((int(counts.max(initial=0)) or 1, 2), -1, np.int32)
-    padded[:len(ids)] = np.stack([ids, lengths], axis=1)
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 2)
+    padded = np.full((int(counts.max(initial=0)) or 1, 1 + columns.shape[1]), -1, np.int32)
+    padded[:len(ids)] = np.concatenate([ids[:, None], columns], axis=1)
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, padded.shape[1])
     every = every[every[:, 0] >= 0]
     all_ids, first = np.unique(every[:, 0], return_index=True)
-    return all_ids, every[first, 1]
+    return all_ids, every[first, 1:].reshape(len(all_ids), *lengths.shape[1:])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,6 +195,8 @@ class BatchIterator:
     global_lengths: (ids, lengths) of every host's examples; None = gathered with `gather_lengths` when there
     are several hosts (tests pass it to simulate hosts in one process).
     extras: per-token arrays that travel with the examples (see collate); may be set after construction.
+    score_positions: batches also carry `score_pos` [B, P, S] (collate), S the bucket of the batch's most action
+    tokens in one sequence over all hosts; global_lengths then needs example_lengths(scored=True) columns.
     shuffle=False walks each chunk in list order, or longest first with longest_first=True (a pass for
     inference that pads least). num_epochs=None iterates forever.
     """
@@ -194,10 +219,11 @@ class BatchIterator:
     extras: Extras | None = None
     num_sequences: int | None = None
     longest_first: bool = False
+    score_positions: bool = False
 
     def __post_init__(self):
         _check_hosts(self.batch_size, self.process_index, self.process_count)
-        local_lengths = example_lengths(self.examples)
+        local_lengths = example_lengths(self.examples, scored=self.score_positions)
         if self.example_ids is None:
             if self.process_count > 1 and self.num_global is None:
                 raise BatchError("several hosts: pass num_global (the global example list's length) and example_ids")
@@ -222,7 +248,13 @@ class BatchIterator:
         else:
             all_ids, all_lengths = ids, local_lengths
         order = np.argsort(all_ids, kind="stable")
-        self._ids, self._lengths = np.asarray(all_ids, np.int64)[order], np.asarray(all_lengths, np.int64)[order]
+        all_lengths = np.asarray(all_lengths, np.int64)
+        all_lengths = (all_lengths if all_lengths.ndim == 2 else all_lengths[:, None])[order]
+        if self.score_positions and all_lengths.shape[1] < 2:
+            raise BatchError("score_positions=True: global_lengths must hold each example's action-token count "
+                             "too (batching.example_lengths(examples, scored=True))")
+        self._ids, self._lengths = np.asarray(all_ids, np.int64)[order], all_lengths[:, 0]
+        self._scored = all_lengths[:, 1] if all_lengths.shape[1] > 1 else None
         if len(self._ids) == 0:
             raise BatchError("no examples to batch (did the length policy drop them all?)")
         if self.num_sequences is None:
@@ -295,6 +327,13 @@ class BatchIterator:
         longest = int(self._lengths[np.searchsorted(self._ids, real)].max(initial=1))
         return bucket_for(longest, self.buckets)
 
+    def batch_score_length(self, epoch: int, step: int) -> int:
+        """S of that batch (score_positions): the bucket of its most action tokens in one sequence, all hosts."""
+        ids = self.batch_ids(epoch, step)
+        real = ids[ids >= 0]
+        most = int(self._scored[np.searchsorted(self._ids, real)].max(initial=1))
+        return bucket_for(max(most, 1), self.buckets)
+
     def real_rows(self, epoch: int, step: int) -> int:
         """Real (weight-1) examples in that global batch, over all hosts."""
         return int((self.batch_ids(epoch, step) >= 0).sum())
@@ -304,8 +343,10 @@ class BatchIterator:
         idx = self.local_indices(epoch, step)
         rows = [self.examples[i] if i >= 0 else None for i in idx]
         extras = {name: [values[i] if i >= 0 else None for i in idx] for name, values in (self.extras or {}).items()}
+        score_length = self.batch_score_length(epoch, step) if self.score_positions else None
         return collate(rows, length=self.batch_length(epoch, step), pad_id=self.pad_id,
-                       padding_side=self.padding_side, extras=extras, num_sequences=self.num_sequences)
+                       padding_side=self.padding_side, extras=extras, num_sequences=self.num_sequences,
+                       score_length=score_length)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
