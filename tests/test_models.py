@@ -262,3 +262,32 @@ def test_causal_mask_from_iota_matches_tril_with_offset_and_padding():
     np.testing.assert_array_equal(causal_mask(6, 6), np.tril(np.ones((6, 6), bool))[None, None])
     np.testing.assert_array_equal(causal_mask(3, 6, key_valid, query_offset=2),
                                   np.tril(np.ones((6, 6), bool))[None, None, 2:5] & key_valid[:, None, None, :])
+
+
+def test_swiglu_backward_equals_autodiff_of_the_plain_formula():
+    """The MLP's hand-written backward: values and all four gradients equal autodiff of the plain expression
+    (float64, so only a wrong formula can fail), and in float32 and bfloat16 within rounding."""
+    from sweet_jax.models.llama import swiglu
+
+    def plain(x, g, u, d):
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, g)) * jnp.einsum("BTD,DF->BTF", x, u), d)
+
+    rng = np.random.default_rng(3)
+    B, T, D, F = 2, 5, 8, 12
+    args = [rng.normal(size=s) for s in ((B, T, D), (D, F), (D, F), (F, D))]
+    w = rng.normal(size=(B, T, D))
+    with jax.enable_x64(True):
+        a64 = [jnp.asarray(x, jnp.float64) for x in args]
+        for f in (plain, swiglu):
+            np.testing.assert_allclose(f(*a64), plain(*a64), rtol=1e-12)
+        want = jax.grad(lambda *a: jnp.sum(w * plain(*a)), argnums=(0, 1, 2, 3))(*a64)
+        got = jax.grad(lambda *a: jnp.sum(w * swiglu(*a)), argnums=(0, 1, 2, 3))(*a64)
+        for name, g1, g2 in zip(("x", "gate", "up", "down"), got, want):
+            np.testing.assert_allclose(g1, g2, rtol=1e-10, atol=1e-12, err_msg=name)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        a = [jnp.asarray(x, dtype) for x in args]
+        got = jax.grad(lambda *a: jnp.sum(w * swiglu(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3))(*a)
+        assert all(g.dtype == dtype for g in got)
+        for name, g1, g2 in zip(("x", "gate", "up", "down"), got, want):
+            scale = float(np.max(np.abs(g2)))
+            np.testing.assert_allclose(np.asarray(g1, np.float64), np.asarray(g2), atol=tol * scale, err_msg=name)

@@ -485,6 +485,48 @@ class Attention(nnx.Module):
         return out_BTNH
 
 
+@jax.custom_vjp
+def swiglu(x_BTD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, down_FD: jax.Array) -> jax.Array:
+    """Llama's MLP, (silu(x @ gate) * (x @ up)) @ down, with a hand-written backward pass.
+
+    Same values and gradients as autodiff; faster on XLA:CPU, where autodiff's backward fuses the SiLU
+    derivative into transposing copies of the [tokens, F] activations (14% of a CPU critic step's op time, at
+    under 1 GB/s): here every gradient is a plain 2-D matmul over flattened tokens and the elementwise part is
+    one fusion (fwd + bwd of the bench MLP, 4 x 512 tokens x 512 x 1536: 296 -> 199 ms). Saves x, x @ gate and
+    x @ up, like autodiff; silu(g) * u is recomputed in the backward.
+    """
+    return _swiglu_fwd(x_BTD, gate_DF, up_DF, down_FD)[0]
+
+
+def _swiglu_fwd(x_BTD, gate_DF, up_DF, down_FD):
+    g_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, gate_DF)
+    u_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, up_DF)
+    y_BTD = jnp.einsum("BTF,FD->BTD", jax.nn.silu(g_BTF) * u_BTF, down_FD)
+    return y_BTD, (x_BTD, g_BTF, u_BTF, gate_DF, up_DF, down_FD)
+
+
+def _swiglu_bwd(residuals, dy_BTD):
+    x_BTD, g_BTF, u_BTF, gate_DF, up_DF, down_FD = residuals
+    dtype = x_BTD.dtype
+    x_ND, dy_ND = x_BTD.reshape(-1, x_BTD.shape[-1]), dy_BTD.astype(dtype).reshape(-1, dy_BTD.shape[-1])
+    f32 = jnp.promote_types(dtype, jnp.float32)  # the elementwise part in float32 (float64 under x64)
+    g_NF = g_BTF.reshape(-1, g_BTF.shape[-1]).astype(f32)
+    u_NF = u_BTF.reshape(g_NF.shape).astype(f32)
+    sig_NF = jax.nn.sigmoid(g_NF)
+    silu_NF = g_NF * sig_NF
+    dh_NF = (dy_ND @ down_FD.T).astype(f32)
+    dg_NF = (dh_NF * u_NF * sig_NF * (1.0 + g_NF * (1.0 - sig_NF))).astype(dtype)
+    du_NF = (dh_NF * silu_NF).astype(dtype)
+    d_down = (silu_NF * u_NF).astype(dtype).T @ dy_ND
+    d_gate, d_up = x_ND.T @ dg_NF, x_ND.T @ du_NF
+    dx_ND = dg_NF @ gate_DF.T + du_NF @ up_DF.T
+    return (dx_ND.reshape(x_BTD.shape).astype(dtype), d_gate.astype(gate_DF.dtype), d_up.astype(up_DF.dtype),
+            d_down.astype(down_FD.dtype))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
@@ -495,6 +537,9 @@ class MLP(nnx.Module):
         self.down_proj = Dense((F, D), ("mlp", "embed"), einsum="BTF,FD->BTD", **kw)
 
     def __call__(self, x_BTD):
+        if self.gate_proj.bias is None:  # Llama: no MLP bias
+            dense = (self.gate_proj, self.up_proj, self.down_proj)
+            return swiglu(x_BTD, *(d.kernel[...].astype(d.dtype) for d in dense))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 
