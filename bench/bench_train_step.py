@@ -90,11 +90,9 @@ def prepare_jax(a, path, spec):
     state = steps.create_train_state(model, optimizer)
     step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=int(spec["chunk"]))
     batch = make_batch(a)
-    if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds (S: the bucket of the action tokens)
+    if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds: the action tokens fit in T // 2
         from sweet_jax.data import batching
-        most = int((batch["turn_ids"] > 0).sum(-1).max())
-        batch["score_pos"] = batching.score_positions(
-            batch["turn_ids"], batching.bucket_for(most, batching.bucket_lengths(a.seq)))
+        batch["score_pos"] = batching.score_positions(batch["turn_ids"], a.seq // 2)
     batch = {k: jax.device_put(v) for k, v in batch.items()}
     compiled = step.lower(state, batch).compile()
     cost = compiled.cost_analysis()

@@ -6,7 +6,6 @@ import pytest
 
 from sweet_jax.data import (BatchError, BatchIterator, Rendered, bucket_lengths, collate, example_lengths,
                             host_range)
-from sweet_jax.data.batching import bucket_for
 
 
 def make_examples(n=37, P=2, seed=0, max_len=300):
@@ -231,26 +230,28 @@ def test_bad_configs_are_explained():
 
 
 def test_score_positions_list_the_action_tokens_of_each_row():
-    """score_pos holds each sequence's action-token positions (either padding side), then -1, in a bucket S that
-    covers the batch's most action tokens over all its rows; it is left out when S would reach T."""
+    """score_pos holds each sequence's action-token positions (either padding side), then -1, over T // 2 slots
+    when every row of the batch has at most T // 2 action tokens; it is left out otherwise."""
     ex = make_examples(n=16, max_len=300)
+    for i in (2, 5):  # two examples whose action tokens fill more than half of their bucket
+        ex[i] = tuple(Rendered(s.input_ids, np.ones_like(s.turn_ids), s.reply_starts) for s in ex[i])
     it = BatchIterator(ex, batch_size=4, max_len=300, shuffle=False, score_positions=True, padding_side="left")
-    seen = 0
+    kinds = set()
     for _ in range(it.steps_per_epoch):
         batch = next(it)
         T = batch["input_ids"].shape[-1]
         most = int((batch["turn_ids"] > 0).sum(-1).max())
+        kinds.add("score_pos" in batch)
         if "score_pos" not in batch:
-            assert bucket_for(most, it.buckets) == T
+            assert most > T // 2
             continue
-        seen += 1
         S = batch["score_pos"].shape[-1]
-        assert S == bucket_for(most, it.buckets) < T
+        assert S == T // 2 and most <= S
         for row_turns, row_pos in zip(batch["turn_ids"].reshape(-1, T), batch["score_pos"].reshape(-1, S)):
             n = int((row_turns > 0).sum())
             np.testing.assert_array_equal(row_pos[:n], np.flatnonzero(row_turns > 0))
             assert np.all(row_pos[n:] == -1)
-    assert seen > 0
+    assert kinds == {True, False}
     with pytest.raises(BatchError, match="score_length"):
         collate([ex[0]], length=300, score_length=2)
     with pytest.raises(BatchError, match="action-token count"):

@@ -171,7 +171,7 @@ def gather_lengths(example_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.nda
         return ids, lengths
     from jax.experimental import multihost_utils
 
-    columns = lengths.reshape(len(ids), -1)  # [N] lengths or [N, k] (example_lengths(scored=True))
+    columns = lengths if lengths.ndim == 2 else lengths[:, None]  # [N] or [N, k] (example_lengths(scored=True))
     counts = np.asarray(multihost_utils.process_allgather(np.array([len(ids)], np.int32))).reshape(-1)
     padded = np.full((int(counts.max(initial=0)) or 1, 1 + columns.shape[1]), -1, np.int32)
     padded[:len(ids)] = np.concatenate([ids[:, None], columns], axis=1)
@@ -195,8 +195,9 @@ class BatchIterator:
     global_lengths: (ids, lengths) of every host's examples; None = gathered with `gather_lengths` when there
     are several hosts (tests pass it to simulate hosts in one process).
     extras: per-token arrays that travel with the examples (see collate); may be set after construction.
-    score_positions: batches also carry `score_pos` [B, P, S] (collate), S the bucket of the batch's most action
-    tokens in one sequence over all hosts; global_lengths then needs example_lengths(scored=True) columns.
+    score_positions: batches whose sequences (over all hosts) have at most T // 2 action tokens also carry
+    `score_pos` [B, P, T // 2] (collate, batch_score_length); global_lengths then needs
+    example_lengths(scored=True) columns.
     shuffle=False walks each chunk in list order, or longest first with longest_first=True (a pass for
     inference that pads least). num_epochs=None iterates forever.
     """
@@ -328,11 +329,15 @@ class BatchIterator:
         return bucket_for(longest, self.buckets)
 
     def batch_score_length(self, epoch: int, step: int) -> int:
-        """S of that batch (score_positions): the bucket of its most action tokens in one sequence, all hosts."""
+        """S of that batch (score_positions): T // 2 when every sequence of the batch (all hosts) has at most
+        that many action tokens, else T (then collate adds no score_pos). So a length bucket compiles at most
+        two programs (on TPU an 8B step compiles for minutes), and a batch that has them runs the unembedding
+        on half the positions or fewer."""
+        T = self.batch_length(epoch, step)
         ids = self.batch_ids(epoch, step)
         real = ids[ids >= 0]
-        most = int(self._scored[np.searchsorted(self._ids, real)].max(initial=1))
-        return bucket_for(max(most, 1), self.buckets)
+        most = int(self._scored[np.searchsorted(self._ids, real)].max(initial=0))
+        return T // 2 if most <= T // 2 else T
 
     def real_rows(self, epoch: int, step: int) -> int:
         """Real (weight-1) examples in that global batch, over all hosts."""
