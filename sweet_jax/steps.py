@@ -144,10 +144,15 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 # Forward pieces
 
 
-def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *, chunk_size: int):
-    """Per-token label log-probs [N, T] float32 from the model's hidden states (chunked unembedding)."""
+def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *, chunk_size: int,
+                      positions_NS=None):
+    """Per-token label log-probs [N, T] float32 from the model's hidden states (chunked unembedding); with
+    positions_NS [N, S] (-1 = padding), only at those positions: [N, S] (losses.token_logprobs_at)."""
     model = nnx.merge(graphdef, params, rest)
     hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
+    if positions_NS is not None:
+        return losses.token_logprobs_at(hidden_NTD, model.unembedding(), input_ids_NT, positions_NS,
+                                        chunk_size=chunk_size)
     return losses.token_logprobs(hidden_NTD, model.unembedding(), input_ids_NT, chunk_size=chunk_size)
 
 
@@ -155,16 +160,11 @@ def _pair_logprobs(graphdef, params, rest, batch, chunk_size):
     """Label log-probs [B, P, T]; with batch['score_pos'] [B, P, S] (the action tokens' positions, -1 = padding,
     from BatchIterator(score_positions=True)), only there: [B, P, S], the unembedding run on S positions."""
     B, P, T = batch["input_ids"].shape
-    if "score_pos" not in batch:
-        return sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
-                                 batch["attention_mask"].reshape(B * P, T), chunk_size=chunk_size).reshape(B, P, T)
-    model = nnx.merge(graphdef, params, rest)
-    ids_NT = batch["input_ids"].reshape(B * P, T)
-    hidden_NTD = model.hidden_states(ids_NT, batch["attention_mask"].reshape(B * P, T))
-    S = batch["score_pos"].shape[-1]
-    logp = losses.token_logprobs_at(hidden_NTD, model.unembedding(), ids_NT, batch["score_pos"].reshape(B * P, S),
-                                    chunk_size=chunk_size)
-    return logp.reshape(B, P, S)
+    positions = batch.get("score_pos")
+    logp = sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
+                             batch["attention_mask"].reshape(B * P, T), chunk_size=chunk_size,
+                             positions_NS=None if positions is None else positions.reshape(B * P, -1))
+    return logp.reshape(B, P, -1)
 
 
 def pair_loss(spec: "LossSpec", graphdef, params, rest, batch, ref_params, denom):

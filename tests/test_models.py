@@ -270,7 +270,8 @@ def test_swiglu_backward_equals_autodiff_of_the_plain_formula():
     from sweet_jax.models.llama import swiglu
 
     def plain(x, g, u, d):
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, g)) * jnp.einsum("BTD,DF->BTF", x, u), d)
+        h = jax.nn.silu(jnp.einsum("BTD,DF->BTF", x, g)) * jnp.einsum("BTD,DF->BTF", x, u)
+        return jnp.einsum("BTF,FD->BTD", h, d)
 
     rng = np.random.default_rng(3)
     B, T, D, F = 2, 5, 8, 12

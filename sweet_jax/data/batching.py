@@ -67,7 +67,7 @@ def example_lengths(examples: Sequence[tuple[Rendered, ...]], *, scored: bool = 
     if not scored:
         return longest
     most = np.array([max(int(np.count_nonzero(s.turn_ids)) for s in ex) for ex in examples], np.int64)
-    return np.stack([longest, most], axis=1).reshape(len(examples), 2)
+    return np.stack([longest, most], axis=1)
 
 
 def collate(examples: Sequence[tuple[Rendered, ...] | None], *, length: int, pad_id: int = 0,
