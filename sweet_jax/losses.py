@@ -149,7 +149,6 @@ def token_logprobs_at(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT
     on S positions instead of T (the critic's dialogue or the policy's history is mostly not scored).
     Position 0 predicts nothing and gets 0, as in token_logprobs.
     """
-    _check_chunk(chunk_size)
     valid_BS = positions_BS > 0
     prev_BS = jnp.maximum(positions_BS - 1, 0)
     hidden_BSD = jnp.take_along_axis(hidden_BTD, prev_BS[..., None], axis=1)
