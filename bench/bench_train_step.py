@@ -18,6 +18,9 @@ Variant specs are comma-separated key=value pairs:
          block=128 (attention_block_size)  score=1|0 (1: log-probs at the action tokens only, the batch's
          score_pos as the trainer builds it with loss.score_positions, its default; 0: at every token)
          xla_flags='--xla_...'
+  both:  malloc=tcmalloc|hugepages|system: the host allocator the child process starts with (sweet_jax.host_malloc;
+         tcmalloc is what sweet_jax's command lines set up for themselves, so it is the sweet_jax side's default;
+         the PyTorch side defaults to the system allocator, as the official code runs)
   torch: attn=sdpa|eager  adamw=fused|foreach|loop  threads=0 (0: torch's default, = cores)
          logp=gather|ce|scored (gather: log_softmax over [N, T, V] logits + gather, as the official SWEET-RL
          code; ce: cross_entropy; scored: lm_head, log_softmax and gather at the action tokens only)
@@ -36,8 +39,8 @@ import time
 import numpy as np
 
 GiB = 1024 ** 3
-JAX_DEFAULT = dict(attn="auto", remat="none", chunk="512", block="128", score="1", xla_flags="")
-TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0")
+JAX_DEFAULT = dict(attn="auto", remat="none", chunk="512", block="128", score="1", xla_flags="", malloc="tcmalloc")
+TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", malloc="system")
 
 
 def parse_spec(text: str, defaults: dict) -> dict:
@@ -48,6 +51,25 @@ def parse_spec(text: str, defaults: dict) -> dict:
             sys.exit(f"bad variant item {item!r}: expected key=value with key in {sorted(defaults)}")
         spec[key] = value
     return spec
+
+
+def child_env(mode: str) -> dict:
+    """This process's environment with the host allocator of malloc=MODE: the settings sweet_jax's command lines
+    give themselves (sweet_jax.host_malloc), or none of them for `system`. Exits when the mode cannot apply here,
+    so a variant never silently runs as another."""
+    import ctypes.util
+
+    from sweet_jax import host_malloc
+    env = dict(os.environ)
+    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != host_malloc.HUGETLB_TUNABLE]
+    preload = [p for p in env.pop("LD_PRELOAD", "").split() if "tcmalloc" not in p]
+    env.update({k: v for k, v in (("GLIBC_TUNABLES", ":".join(tunables)), ("LD_PRELOAD", " ".join(preload))) if v})
+    changes, reason = host_malloc.allocator_env(mode, env, glibc=host_malloc.glibc_version(),
+                                                thp=host_malloc.thp_mode(),
+                                                tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
+    if mode != "system" and not changes:
+        sys.exit(f"malloc={mode}: {reason}")
+    return {**env, **changes}
 
 
 def make_batch(a):
@@ -192,9 +214,11 @@ def child_main(a):
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
-            t0 = time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             out = run()
-            print("DONE " + json.dumps(dict(seconds=time.perf_counter() - t0, **out)), flush=True)
+            seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            print("DONE " + json.dumps(dict(seconds=seconds, faults=r1.ru_minflt - r0.ru_minflt,
+                                            sys_s=r1.ru_stime - r0.ru_stime, **out)), flush=True)
         else:
             break
     print("RESULT " + json.dumps(dict(peak_rss=peak_rss())), flush=True)
@@ -205,7 +229,7 @@ def child_main(a):
 class Side:
     def __init__(self, name, kind, spec, a, path, logdir):
         self.name, self.kind, self.spec = name, kind, spec
-        env = dict(os.environ)
+        env = child_env(spec.get("malloc", "system"))
         if kind in ("jax", "peak") and spec.get("xla_flags"):
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + spec["xla_flags"]).strip()
         self.log = open(os.path.join(logdir, f"{name}.log"), "w+")
@@ -278,7 +302,8 @@ def main():
             k = r % len(sides)
             for s in sides[k:] + sides[:k]:  # rotate who goes first
                 s.step()
-                print(f"round {r + 1}/{a.steps} {s.name}: {s.times[-1]:.2f}s", file=sys.stderr, flush=True)
+                print(f"round {r + 1}/{a.steps} {s.name}: {s.times[-1]:.2f}s ({s.results[-1]['faults']} page "
+                      f"faults, {s.results[-1]['sys_s']:.2f} s system CPU)", file=sys.stderr, flush=True)
         for s in sides:
             s.finish()
     load1 = os.getloadavg()

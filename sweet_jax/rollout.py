@@ -387,6 +387,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from sweet_jax.host_malloc import reexec_with_allocator
+    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
     from absl import app, flags
     from ml_collections import config_flags
 

@@ -447,4 +447,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from sweet_jax.host_malloc import reexec_with_allocator
+    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
     main()

@@ -27,7 +27,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from sweet_jax import config_utils, errors
+from sweet_jax import config_utils, errors, host_malloc
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.train")
@@ -539,8 +539,8 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
                 f"(mesh data x fsdp = {batch_devices}); set it to a multiple of {batch_devices}")
     if is_main:
         write_config(config, workdir)
-    log.info("mesh %s over %d devices (%s), %d process(es)", dict(mesh.shape), jax.device_count(),
-             jax.devices()[0].device_kind, jax.process_count())
+    log.info("mesh %s over %d devices (%s), %d process(es); host allocator: %s", dict(mesh.shape),
+             jax.device_count(), jax.devices()[0].device_kind, jax.process_count(), host_malloc.active())
 
     # ---- tokenizer and data: this host renders only its slice; the batches are the same for any host count
     tokenizer = load_tokenizer(tokenizer_path(config))
@@ -778,6 +778,8 @@ def define_flags():
 
 
 if __name__ == "__main__":
+    from sweet_jax.host_malloc import reexec_with_allocator
+    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
     from absl import app
     define_flags()
     app.run(main, flags_parser=_parse_flags)

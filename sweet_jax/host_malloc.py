@@ -1,0 +1,105 @@
+"""The host allocator for the command lines: tcmalloc, so XLA's per-step host buffers are reused, not refaulted.
+
+XLA:CPU allocates the temporaries of every execution as one block (1.5 GiB for the critic step of the 58M bench
+model) with posix_memalign and frees it when the step ends. glibc serves a block that large from a worker
+thread's arena with mmap and gives it back with munmap, so every step first-touches fresh 4 KiB pages: ~400,000
+page faults and 0.8-4 s of kernel time a step on a 2-core machine, a quarter of the step and most of its
+run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command lines
+re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
+
+  tcmalloc   (default) LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks
+             are kept and reused, no page faults after the first step.
+  hugepages  GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc asks for transparent huge pages on its mmap'd blocks
+             (glibc >= 2.35, THP `always` or `madvise`): 300x fewer faults, but each step still gets fresh pages,
+             and finding 2 MiB pages costs kernel time when memory is fragmented.
+  system     leave the allocator alone.
+
+Where the mode cannot apply (tcmalloc not installed, no THP, glibc too old) the process goes on with the system
+allocator and says so once.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import os
+import pathlib
+import sys
+
+MODE_VAR = "SWEET_JAX_MALLOC"
+DONE_VAR = "SWEET_JAX_MALLOC_APPLIED"  # set in the re-executed process: never re-execute twice
+MODES = ("tcmalloc", "hugepages", "system")
+HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def glibc_version() -> tuple[int, int] | None:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, OSError, ValueError):  # not glibc (musl, macOS) or no confstr
+        return None
+
+
+def thp_mode(path: pathlib.Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent-huge-page mode (`always`, `madvise`, `never`), None where there is no THP."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def allocator_env(mode: str, environ: dict[str, str], *, glibc: tuple[int, int] | None,
+                  thp: str | None, tcmalloc: str | None) -> tuple[dict[str, str], str]:
+    """(the environment variables to set, a one-line reason) for `mode`; {} when nothing needs to change."""
+    if mode not in MODES:
+        raise ValueError(f"{MODE_VAR}={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "system":
+        return {}, "system allocator"
+    if mode == "hugepages":
+        tunables = environ.get("GLIBC_TUNABLES", "")
+        if HUGETLB_TUNABLE in tunables.split(":"):
+            return {}, "huge pages already on"
+        if glibc is None or glibc < (2, 35):
+            return {}, f"huge pages need glibc >= 2.35 (this is {glibc or 'not glibc'}): system allocator"
+        if thp not in ("always", "madvise"):
+            return {}, f"transparent huge pages are {thp or 'absent'} on this kernel: system allocator"
+        return {"GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGETLB_TUNABLE]))}, "huge pages"
+    preload = environ.get("LD_PRELOAD", "")
+    if "tcmalloc" in preload:
+        return {}, "tcmalloc already preloaded"
+    if tcmalloc is None:
+        return {}, "tcmalloc not found (apt-get install libtcmalloc-minimal4): system allocator"
+    return {"LD_PRELOAD": " ".join(filter(None, [tcmalloc, preload]))}, f"tcmalloc ({tcmalloc})"
+
+
+def active() -> str:
+    """The allocator this process started with, for the logs."""
+    mode = os.environ.get(DONE_VAR)
+    if mode:
+        return f"{mode} ({MODE_VAR}=system to turn off)"
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return "tcmalloc (LD_PRELOAD)"
+    return "system"
+
+
+def reexec_with_allocator() -> None:
+    """Re-execute this command line once with the allocator of SWEET_JAX_MALLOC (default tcmalloc) set up.
+
+    Call first thing under `if __name__ == "__main__":` of a command line, before jax is imported; never from
+    library code (it replaces the process)."""
+    if os.environ.get(DONE_VAR):
+        return
+    mode = os.environ.get(MODE_VAR, "tcmalloc")
+    changes, reason = allocator_env(mode, dict(os.environ), glibc=glibc_version(), thp=thp_mode(),
+                                    tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
+    if not changes:
+        if mode != "system" and "already" not in reason:
+            logging.getLogger(__name__).warning("%s=%s: %s", MODE_VAR, mode, reason)
+        return
+    env = {**os.environ, **changes, DONE_VAR: mode}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
