@@ -90,7 +90,7 @@ def reexec_with_allocator() -> None:
 
     Call first thing under `if __name__ == "__main__":` of a command line, before jax is imported; never from
     library code (it replaces the process)."""
-    if os.environ.get(DONE_VAR):
+    if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
     mode = os.environ.get(MODE_VAR, "tcmalloc")
     changes, reason = allocator_env(mode, dict(os.environ), glibc=glibc_version(), thp=thp_mode(),

@@ -92,8 +92,19 @@ def data(tmp_path_factory):
 def straight_run(tmp_path_factory, data):
     """STEPS steps in one go, with a held-out eval split: the reference for the other tests."""
     workdir = tmp_path_factory.mktemp("straight")
-    run_train(workdir, data, "--config.data.eval_fraction=0.2")
+    proc = run_train(workdir, data, "--config.data.eval_fraction=0.2")
+    (workdir / "stderr.txt").write_text(proc.stderr)
     return workdir
+
+
+def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
+    """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
+    import ctypes.util
+    log = (straight_run / "stderr.txt").read_text()
+    if ctypes.util.find_library("tcmalloc_minimal"):
+        assert "host allocator: tcmalloc (SWEET_JAX_MALLOC=system to turn off)" in log
+    else:
+        assert "host allocator: system" in log and "apt-get install libtcmalloc-minimal4" in log
 
 
 def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
