@@ -7,8 +7,11 @@ page faults and 0.8-4 s of kernel time a step on a 2-core machine, a quarter of 
 run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command lines
 re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
 
-  tcmalloc   (default) LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks
-             are kept and reused, no page faults after the first step.
+  (unset)    tcmalloc on a host that computes on its CPU; the system allocator where a TPU or an NVIDIA GPU is
+             present or JAX_PLATFORMS names no cpu (there the step's temporaries live in device memory, and
+             tcmalloc under libtpu / CUDA is not what was measured).
+  tcmalloc   LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks are kept and
+             reused, no page faults after the first step.
   hugepages  GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc asks for transparent huge pages on its mmap'd blocks
              (glibc >= 2.35, THP `always` or `madvise`): 300x fewer faults, but each step still gets fresh pages,
              and finding 2 MiB pages costs kernel time when memory is fragmented.
@@ -30,6 +33,17 @@ DONE_VAR = "SWEET_JAX_MALLOC_APPLIED"  # set in the re-executed process: never r
 MODES = ("tcmalloc", "hugepages", "system")
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+ACCELERATOR_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")  # TPU v4+, TPU v5e/v6e, GPU
+
+
+def computes_on_cpu(environ: dict[str, str], dev: str = "/") -> bool:
+    """Whether jax will run this process's steps on the CPU: JAX_PLATFORMS says so, or no TPU/GPU device node
+    exists (`dev`: the root to look under, for tests)."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    root = pathlib.Path(dev)
+    return not any(any(root.glob(pattern.lstrip("/"))) for pattern in ACCELERATOR_DEVICES)
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -86,13 +100,13 @@ def active() -> str:
 
 
 def reexec_with_allocator() -> None:
-    """Re-execute this command line once with the allocator of SWEET_JAX_MALLOC (default tcmalloc) set up.
+    """Re-execute this command line once with the allocator of SWEET_JAX_MALLOC (see above) set up.
 
     Call first thing under `if __name__ == "__main__":` of a command line, before jax is imported; never from
     library code (it replaces the process)."""
     if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
-    mode = os.environ.get(MODE_VAR, "tcmalloc")
+    mode = os.environ.get(MODE_VAR) or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
     changes, reason = allocator_env(mode, dict(os.environ), glibc=glibc_version(), thp=thp_mode(),
                                     tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
     if not changes:

@@ -119,3 +119,15 @@ def test_hugepages_mode_reexecutes_with_the_tunable_and_faults_far_less(tmp_path
         assert huge["faults"] < system["faults"] / 4
     else:  # this machine cannot: the process goes on with the system allocator and says why
         assert huge["applied"] is None and "system allocator" in log
+
+
+def test_the_default_applies_to_cpu_hosts_only(tmp_path):
+    assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
+    assert not host_malloc.computes_on_cpu({"JAX_PLATFORMS": "tpu,cpu"})
+    assert host_malloc.computes_on_cpu({}, dev=tmp_path)  # no device nodes
+    (tmp_path / "dev" / "vfio").mkdir(parents=True)
+    (tmp_path / "dev" / "vfio" / "vfio").touch()  # the control node every Linux host may have
+    assert host_malloc.computes_on_cpu({}, dev=tmp_path)
+    (tmp_path / "dev" / "vfio" / "0").touch()  # a TPU v5e/v6e chip
+    assert not host_malloc.computes_on_cpu({}, dev=tmp_path)
+    assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"}, dev=tmp_path)
