@@ -1,6 +1,7 @@
-"""Critic train step (forward, Bradley-Terry loss, backward, AdamW): sweet_jax vs transformers + PyTorch eager.
+"""Critic or policy (DPO) train step (forward, loss, backward, AdamW): sweet_jax vs transformers + PyTorch eager.
 
     python bench/bench_train_step.py --steps 3          # ~58M-param Llama, 2 pairs x 2 x 512 tokens, float32 CPU
+    python bench/bench_train_step.py --steps 3 --step dpo   # the policy's step-level DPO step instead
     python bench/bench_train_step.py --steps 3 --jax-variant attn=xla --torch-variant logp=ce   # A/B extra sides
 
 Both sides run the same model (the PyTorch model's random weights are loaded into ours through save_pretrained
@@ -77,8 +78,11 @@ def make_batch(a):
     B, P, T = a.pairs, 2, a.seq
     ids = rng.integers(3, a.vocab, (B, P, T)).astype(np.int32)
     turns = np.zeros((B, P, T), np.int32)
-    for k, start in enumerate(range(T // 8, T, T // 4)):  # 4 assistant turns of T/8 tokens each
-        turns[:, :, start:start + T // 8] = k + 1
+    if a.step == "dpo":  # a step-level policy pair: one context, two candidate replies of T/4 tokens at the end
+        turns[:, :, T - T // 4:] = 1
+    else:  # critic: trajectory pairs with 4 assistant turns of T/8 tokens each
+        for k, start in enumerate(range(T // 8, T, T // 4)):
+            turns[:, :, start:start + T // 8] = k + 1
     return dict(input_ids=ids, attention_mask=np.ones((B, P, T), np.int32), turn_ids=turns,
                 ref_logp=(-rng.uniform(5, 12, (B, P, T))).astype(np.float32))
 
@@ -110,7 +114,10 @@ def prepare_jax(a, path, spec):
                                                 attention_block_size=int(spec["block"])))
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
-    step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=int(spec["chunk"]))
+    if a.step == "dpo":
+        step = steps.make_policy_step(state, optimizer, kind="dpo", beta=0.1, chunk_size=int(spec["chunk"]))
+    else:
+        step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=int(spec["chunk"]))
     batch = make_batch(a)
     if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds: the action tokens fit in T // 2
         from sweet_jax.data import batching
@@ -169,7 +176,10 @@ def prepare_torch(a, path, spec):
             else:
                 logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
         delta = F.pad(logp, (1, 0)) - ref
-        score = sum((delta * m).sum(1) / m.sum(1).clamp(min=1) for m in turn_masks).reshape(B, P)
+        if a.step == "dpo":  # summed reply log-prob ratios (DPO's implicit reward / beta)
+            score = (delta * turn_masks[0]).sum(1).reshape(B, P)
+        else:  # per-turn means of the advantages, summed over turns (the critic's trajectory score)
+            score = sum((delta * m).sum(1) / m.sum(1).clamp(min=1) for m in turn_masks).reshape(B, P)
         loss = -F.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -271,6 +281,8 @@ def main():
     ap.add_argument("--kv_heads", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=2, help="pairs per step (x2 sequences)")
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--step", choices=("critic", "dpo"), default="critic",
+                    help="critic: Bradley-Terry on trajectory pairs (4 turns); dpo: the policy's step-level DPO")
     ap.add_argument("--steps", type=int, default=3, help="timed rounds (each side: 1 warm-up step + these)")
     ap.add_argument("--jax", default="", help="the sweet_jax side's spec (see above); default attn=auto")
     ap.add_argument("--torch", default="", help="the PyTorch side's spec; default attn=sdpa,logp=gather,adamw=fused,threads=0")
@@ -281,7 +293,7 @@ def main():
     ap.add_argument("--_spec", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.forward = [f"--{k}={getattr(a, k)}" for k in ("vocab", "hidden", "intermediate", "layers", "heads",
-                                                   "kv_heads", "pairs", "seq")]
+                                                   "kv_heads", "pairs", "seq", "step")]
     if a._child:
         child_main(a)
         return
@@ -324,7 +336,7 @@ def main():
 
     def side_flops(s):
         return scored_flops if s.spec.get("score") == "1" or s.spec.get("logp") == "scored" else flops
-    print(f"critic step, {ji['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
+    print(f"{a.step} step, {ji['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
           f"{a.vocab}), {a.pairs} pairs x 2 x {a.seq} tokens, float32, CPU with {os.cpu_count()} cores "
           f"(torch threads {infos['torch']['threads']}); {a.steps} interleaved rounds after 1 warm-up step each")
     print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; {time.time() - t_start:.0f} s in all")
