@@ -354,7 +354,7 @@ def main():
         if s.kind == "jax":
             spec += f" ({infos[s.name]['attention']} attention)"
         print(f"| {s.name} | {spec} | {med:.3f} | {tokens / med:.0f} | {s.final['peak_rss'] / GiB:.2f} | "
-              f"{100 * side_flops(s) / med / peak_flops:.1f}% | {s.results[-1]['loss']:.4f} |")
+              f"{100 * side_flops(s) / med / peak_flops:.1f}% | {s.results[-1]['loss']:.5g} |")
     per_round = [tt / jj for tt, jj in zip(t.times, j.times)]
     jmed = float(np.median(j.times))
     print(f"\nsweet_jax / torch tokens/s: {float(np.median(per_round)):.2f}x (median of per-round ratios "
