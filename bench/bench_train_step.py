@@ -284,7 +284,8 @@ def main():
     ap.add_argument("--step", choices=("critic", "dpo"), default="critic",
                     help="critic: Bradley-Terry on trajectory pairs (4 turns); dpo: the policy's step-level DPO")
     ap.add_argument("--steps", type=int, default=3, help="timed rounds (each side: 1 warm-up step + these)")
-    ap.add_argument("--jax", default="", help="the sweet_jax side's spec (see above); default attn=auto,malloc=tcmalloc")
+    ap.add_argument("--jax", default="", help="the sweet_jax side's spec (see above); default "
+                    "attn=auto,malloc=tcmalloc")
     ap.add_argument("--torch", default="", help="the PyTorch side's spec; default "
                     "attn=sdpa,logp=gather,adamw=fused,threads=0,malloc=system")
     ap.add_argument("--jax-variant", action="append", default=[], help="an extra sweet_jax side (repeatable)")
