@@ -58,18 +58,14 @@ def child_env(mode: str) -> dict:
     """This process's environment with the host allocator of malloc=MODE: the settings sweet_jax's command lines
     give themselves (sweet_jax.host_malloc), or none of them for `system`. Exits when the mode cannot apply here,
     so a variant never silently runs as another."""
-    import ctypes.util
-
     from sweet_jax import host_malloc
     env = dict(os.environ)
     tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != host_malloc.HUGETLB_TUNABLE]
     preload = [p for p in env.pop("LD_PRELOAD", "").split() if "tcmalloc" not in p]
     env.update({k: v for k, v in (("GLIBC_TUNABLES", ":".join(tunables)), ("LD_PRELOAD", " ".join(preload))) if v})
-    changes, reason = host_malloc.allocator_env(mode, env, glibc=host_malloc.glibc_version(),
-                                                thp=host_malloc.thp_mode(),
-                                                tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
-    if mode != "system" and not changes:
-        sys.exit(f"malloc={mode}: {reason}")
+    changes, problem = host_malloc.allocator_env_here(mode, env)
+    if problem:
+        sys.exit(f"malloc={mode}: {problem}")
     return {**env, **changes}
 
 

@@ -48,7 +48,7 @@ def computes_on_cpu(environ: dict[str, str], dev: str = "/") -> bool:
 
 def glibc_version() -> tuple[int, int] | None:
     try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
+        _, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
         major, minor = version.split(".")[:2]
         return int(major), int(minor)
     except (AttributeError, OSError, ValueError):  # not glibc (musl, macOS) or no confstr
@@ -66,27 +66,34 @@ def thp_mode(path: pathlib.Path = THP_ENABLED) -> str | None:
 
 
 def allocator_env(mode: str, environ: dict[str, str], *, glibc: tuple[int, int] | None,
-                  thp: str | None, tcmalloc: str | None) -> tuple[dict[str, str], str]:
-    """(the environment variables to set, a one-line reason) for `mode`; {} when nothing needs to change."""
+                  thp: str | None, tcmalloc: str | None) -> tuple[dict[str, str], str | None]:
+    """(the environment variables to set for `mode`, what prevents it or None): ({}, None) when nothing needs
+    to change (`system`, or the mode is already on), ({}, why) when the mode cannot apply on this machine."""
     if mode not in MODES:
         raise ValueError(f"{MODE_VAR}={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "system":
-        return {}, "system allocator"
+        return {}, None
     if mode == "hugepages":
         tunables = environ.get("GLIBC_TUNABLES", "")
         if HUGETLB_TUNABLE in tunables.split(":"):
-            return {}, "huge pages already on"
+            return {}, None
         if glibc is None or glibc < (2, 35):
             return {}, f"huge pages need glibc >= 2.35 (this is {glibc or 'not glibc'}): system allocator"
         if thp not in ("always", "madvise"):
             return {}, f"transparent huge pages are {thp or 'absent'} on this kernel: system allocator"
-        return {"GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGETLB_TUNABLE]))}, "huge pages"
+        return {"GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGETLB_TUNABLE]))}, None
     preload = environ.get("LD_PRELOAD", "")
     if "tcmalloc" in preload:
-        return {}, "tcmalloc already preloaded"
+        return {}, None
     if tcmalloc is None:
         return {}, "tcmalloc not found (apt-get install libtcmalloc-minimal4): system allocator"
-    return {"LD_PRELOAD": " ".join(filter(None, [tcmalloc, preload]))}, f"tcmalloc ({tcmalloc})"
+    return {"LD_PRELOAD": " ".join(filter(None, [tcmalloc, preload]))}, None
+
+
+def allocator_env_here(mode: str, environ: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """allocator_env with this machine's glibc, THP mode and tcmalloc library."""
+    return allocator_env(mode, environ, glibc=glibc_version(), thp=thp_mode(),
+                         tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
 
 
 def active() -> str:
@@ -107,11 +114,10 @@ def reexec_with_allocator() -> None:
     if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
     mode = os.environ.get(MODE_VAR) or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
-    changes, reason = allocator_env(mode, dict(os.environ), glibc=glibc_version(), thp=thp_mode(),
-                                    tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
+    changes, problem = allocator_env_here(mode, dict(os.environ))
+    if problem:
+        logging.getLogger(__name__).warning("%s=%s: %s", MODE_VAR, mode, problem)
     if not changes:
-        if mode != "system" and "already" not in reason:
-            logging.getLogger(__name__).warning("%s=%s: %s", MODE_VAR, mode, reason)
         return
     env = {**os.environ, **changes, DONE_VAR: mode}
     sys.stdout.flush()

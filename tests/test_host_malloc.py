@@ -1,4 +1,4 @@
-"""The command lines' host allocator: huge pages (or tcmalloc) for XLA's per-step host buffers."""
+"""The command lines' host allocator: tcmalloc (or huge pages) for XLA's per-step host buffers."""
 import ctypes.util
 import json
 import os
@@ -16,10 +16,10 @@ GLIBC_OK, THP_OK = (2, 36), "madvise"
 
 
 def test_hugepages_adds_the_glibc_tunable_and_keeps_the_others():
-    changes, reason = allocator_env("hugepages", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
-                                    glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)
+    changes, problem = allocator_env("hugepages", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+                                     glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)
     assert changes == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
-    assert reason == "huge pages"
+    assert problem is None
     changes, _ = allocator_env("hugepages", {}, glibc=GLIBC_OK, thp="always", tcmalloc=None)
     assert changes == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
@@ -31,27 +31,27 @@ def test_hugepages_adds_the_glibc_tunable_and_keeps_the_others():
     (GLIBC_OK, None, "are absent"),
 ])
 def test_hugepages_falls_back_to_the_system_allocator_and_says_why(glibc, thp, says):
-    changes, reason = allocator_env("hugepages", {}, glibc=glibc, thp=thp, tcmalloc=None)
+    changes, problem = allocator_env("hugepages", {}, glibc=glibc, thp=thp, tcmalloc=None)
     assert changes == {}
-    assert says in reason and "system allocator" in reason
+    assert says in problem and "system allocator" in problem
 
 
 def test_a_mode_already_in_the_environment_changes_nothing():
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}
-    assert allocator_env("hugepages", env, glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)[0] == {}
-    assert allocator_env("tcmalloc", env, glibc=GLIBC_OK, thp=THP_OK, tcmalloc="libtcmalloc_minimal.so.4")[0] == {}
+    assert allocator_env("hugepages", env, glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None) == ({}, None)
+    assert allocator_env("tcmalloc", env, glibc=GLIBC_OK, thp=THP_OK, tcmalloc="libtcmalloc_minimal.so.4") == ({}, None)
 
 
 def test_tcmalloc_is_preloaded_in_front_of_other_preloads_or_named_as_missing():
-    changes, _ = allocator_env("tcmalloc", {"LD_PRELOAD": "libfoo.so"}, glibc=GLIBC_OK, thp=THP_OK,
-                               tcmalloc="libtcmalloc_minimal.so.4")
-    assert changes == {"LD_PRELOAD": "libtcmalloc_minimal.so.4 libfoo.so"}
-    changes, reason = allocator_env("tcmalloc", {}, glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)
-    assert changes == {} and "apt-get install libtcmalloc-minimal4" in reason
+    changes, problem = allocator_env("tcmalloc", {"LD_PRELOAD": "libfoo.so"}, glibc=GLIBC_OK, thp=THP_OK,
+                                     tcmalloc="libtcmalloc_minimal.so.4")
+    assert changes == {"LD_PRELOAD": "libtcmalloc_minimal.so.4 libfoo.so"} and problem is None
+    changes, problem = allocator_env("tcmalloc", {}, glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)
+    assert changes == {} and "apt-get install libtcmalloc-minimal4" in problem
 
 
 def test_system_mode_changes_nothing_and_an_unknown_mode_is_named():
-    assert allocator_env("system", {}, glibc=GLIBC_OK, thp=THP_OK, tcmalloc="x")[0] == {}
+    assert allocator_env("system", {}, glibc=GLIBC_OK, thp=THP_OK, tcmalloc="x") == ({}, None)
     with pytest.raises(ValueError, match="SWEET_JAX_MALLOC='jemalloc': expected one of tcmalloc, hugepages, system"):
         allocator_env("jemalloc", {}, glibc=GLIBC_OK, thp=THP_OK, tcmalloc=None)
 
