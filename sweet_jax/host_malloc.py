@@ -3,7 +3,7 @@
 XLA:CPU allocates the temporaries of every execution as one block (1.5 GiB for the critic step of the 58M bench
 model) with posix_memalign and frees it when the step ends. glibc serves a block that large from a worker
 thread's arena with mmap and gives it back with munmap, so every step first-touches fresh 4 KiB pages: ~400,000
-page faults and 0.8-4 s of kernel time a step on a 2-core machine, a quarter of the step and most of its
+page faults and 0.8-4 s of kernel time a step on a 2-core machine, a third of the step and most of its
 run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command lines
 re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
 
@@ -114,7 +114,10 @@ def reexec_with_allocator() -> None:
     if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
     mode = os.environ.get(MODE_VAR) or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
-    changes, problem = allocator_env_here(mode, dict(os.environ))
+    try:
+        changes, problem = allocator_env_here(mode, dict(os.environ))
+    except ValueError as e:  # an unknown mode: one line, not a traceback
+        sys.exit(f"error: {e}")
     if problem:
         logging.getLogger(__name__).warning("%s=%s: %s", MODE_VAR, mode, problem)
     if not changes:

@@ -131,3 +131,14 @@ def test_the_default_applies_to_cpu_hosts_only(tmp_path):
     (tmp_path / "dev" / "vfio" / "0").touch()  # a TPU v5e/v6e chip
     assert not host_malloc.computes_on_cpu({}, dev=tmp_path)
     assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"}, dev=tmp_path)
+
+
+def test_an_unknown_mode_stops_the_command_line_with_one_line_naming_the_choices(tmp_path):
+    script = tmp_path / "cli.py"
+    script.write_text(CHILD)
+    env = {**os.environ, host_malloc.MODE_VAR: "jemalloc"}
+    env.pop(host_malloc.DONE_VAR, None)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=pathlib.Path(__file__).parents[1])
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == "error: SWEET_JAX_MALLOC='jemalloc': expected one of tcmalloc, hugepages, system"
