@@ -6,9 +6,10 @@
 
 How a batch runs:
 1. Prompts are tokenized and left-padded to a bucketed length P (few distinct shapes, few compiles).
-2. Prefill (jit): the prompts fill a fresh heads-major cache ([B, kv_heads, slots, head_dim], see
-   Llama.init_cache) sized to the first decode window; the logits of each prompt's last token are kept. The
-   prompt rows are then gathered into sample rows (n per prompt), so n samples of one prompt share its prefill.
+2. Prefill (jit): the prompts fill a fresh heads-major cache (keys [B, kv_heads, head_dim, slots], values
+   [B, kv_heads, slots, head_dim]; Llama.init_cache) sized to the first decode window; the logits of each
+   prompt's last token are kept. The prompt rows are then gathered into sample rows (n per prompt), so n
+   samples of one prompt share its prefill.
 3. Decode (jit, `lax.while_loop`, the cache donated and updated in place): sample a token from the current
    logits, record its log-prob, stop the row on a stop token id or its max_new_tokens, run the model on the
    new token. The loop leaves as soon as every row is done. The new tokens' slots are cut into up to 4
@@ -20,9 +21,10 @@ How a batch runs:
 
 Where a decode step's time goes (CPU, batch 8, the 24M bench model): reading the weights (64 MB a step, half
 of it the unembedding) and the attended K/V; see BENCHMARKS.md "Sampler" for the roofline. Hence: no cache
-transpose per step (heads-major layout), vocabulary-wide work limited to one matmul plus max / sum reductions
-(first_argmax, token_logprob, inverse_cdf_draw: no argmax reduction, no [N, V] log-softmax or random numbers),
-and the unembedding split in column blocks that run on all cores (_split_unembedding, made once per batch).
+transpose per step (heads-major layout, keys stored transposed so that Q.K^T is a plain matmul), vocabulary-wide
+work limited to one matmul plus max / sum reductions (first_argmax, token_logprob, inverse_cdf_draw: no argmax
+reduction, no [N, V] log-softmax or random numbers), and the unembedding split in column blocks that run on
+all cores (_split_unembedding, made once per batch).
 
 Log-probs: `Sample.logprobs[i]` is log p_model(token_i | prefix): the log-softmax of the model's raw logits,
 i.e. the model's distribution at temperature 1.0 with no top-k / top-p filtering, whatever temperature was
@@ -46,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models.llama import HEADS_MAJOR_CACHE, cache_slot_axis
 
 
 class GenerateError(SweetJaxError):
@@ -235,22 +238,22 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
 
 
 def _constrain_batch(tree, mesh, rows: int):
-    """Pin every array whose leading dim is the batch: rows over the batch axes and, for K/V caches
-    [rows, kv_heads, slots, head_dim], heads over 'tensor' like the k/v projections that write them."""
+    """Pin every array whose leading dim is the batch: rows over the batch axes and, for the K/V caches
+    (HEADS_MAJOR_CACHE), heads over 'tensor' like the k/v projections that write them."""
     if mesh is None:
         return tree
     from jax.sharding import NamedSharding
 
     from sweet_jax.sharding import logical_to_spec, spec_for_shape
 
-    def constrain(x):
+    def constrain(path, x):
         if not hasattr(x, "ndim") or x.ndim == 0 or x.shape[0] != rows:
             return x
-        # 4-D arrays here are heads-major K/V caches [rows, kv_heads, slots, head_dim].
-        names = ("batch", "kv_heads", None, "head_dim") if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
+        key = getattr(path[-1], "key", None) if path else None
+        names = HEADS_MAJOR_CACHE.get(key, ("batch",) + (None,) * (x.ndim - 1))
         spec = spec_for_shape(x.shape, logical_to_spec(names), mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    return jax.tree_util.tree_map(constrain, tree)
+    return jax.tree_util.tree_map_with_path(constrain, tree)
 
 
 def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, width: int, mesh):
@@ -278,9 +281,12 @@ def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max
 
 def _grow_cache(cache, *, width: int, mesh):
     """The heads-major cache padded to `width` slots (once per decode window, between the windows' loops)."""
-    grow = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)))
-    rows = jax.tree_util.tree_leaves(cache)[0].shape[0]
-    return _constrain_batch(jax.tree_util.tree_map(grow, cache), mesh, rows)
+    def grow(x, axis):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - x.shape[axis])
+        return jnp.pad(x, pad)
+    grown = [{name: grow(x, cache_slot_axis(name)) for name, x in layer.items()} for layer in cache]
+    return _constrain_batch(grown, mesh, cache[0]["v_BKSH"].shape[0])
 
 
 def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_width: int, width: int, pad_id: int,
@@ -686,7 +692,7 @@ class Sampler:
 
 
 def _cache_width(cache) -> int:
-    return jax.tree_util.tree_leaves(cache)[0].shape[2]  # heads-major [rows, kv_heads, slots, head_dim]
+    return cache[0]["v_BKSH"].shape[cache_slot_axis("v_BKSH")]
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -272,7 +272,8 @@ def test_long_greedy_generation_across_cache_windows_matches_one_full_forward(sa
 
 
 def test_heads_major_cache_prefill_then_decode_matches_full_forward(hf_dir):
-    # The sampler's cache layout [B, K, S, H]: prefill 6 tokens, then one token a step, as the decode loop does.
+    # The sampler's cache layout (keys [B, K, H, S], values [B, K, S, H]): prefill 6 tokens, then one token a step,
+    # as the decode loop does.
     from sweet_jax.models import positions_from_mask
 
     model = load_hf(hf_dir)
@@ -284,7 +285,8 @@ def test_heads_major_cache_prefill_then_decode_matches_full_forward(hf_dir):
     slots[:, :11] = mask
     positions = np.asarray(positions_from_mask(mask))
     cache = model.init_cache(2, 16, heads_major=True)
-    assert cache[0]["k_BKSH"].shape == (2, model.config.num_kv_heads, 16, model.config.head_dim)
+    assert cache[0]["k_BKHS"].shape == (2, model.config.num_kv_heads, model.config.head_dim, 16)
+    assert cache[0]["v_BKSH"].shape == (2, model.config.num_kv_heads, 16, model.config.head_dim)
     step = jax.jit(lambda m, ids, sm, pos, c, cp: m.hidden_states(ids, sm, pos, cache=c, cache_pos=cp))
     hidden, cache = step(model, ids[:, :6], slots, positions[:, :6], cache, 0)
     pieces = [np.asarray(hidden)]

@@ -316,13 +316,28 @@ class Dense(nnx.Module):
         self.einsum_str = einsum
         self.dtype = dtype
         self.kernel = _param(rngs, shape, axes, param_dtype, "normal")
-        kernel_sub, out_sub = einsum.split(",")[1].split("->")
+        x_sub, rest = einsum.split(",")
+        kernel_sub, out_sub = rest.split("->")
+        contracted = "".join(d for d in kernel_sub if d not in out_sub)
+        # Contracted axes trailing x and leading the kernel, in the same order: one axis with flat_contraction.
+        self.contracted = len(contracted) if x_sub.endswith(contracted) and kernel_sub.startswith(contracted) else 0
+        self.flat_einsum = (einsum if self.contracted < 2 else
+                            f"{x_sub[:-self.contracted]}Z,Z{kernel_sub[self.contracted:]}->{out_sub}")
         out_dims = [i for i, d in enumerate(kernel_sub) if d in out_sub]  # the bias covers the output axes
         self.bias = (_param(rngs, tuple(shape[i] for i in out_dims), tuple(axes[i] for i in out_dims),
                             param_dtype, "zeros") if bias else None)
 
-    def __call__(self, x):
-        y = jnp.einsum(self.einsum_str, x, self.kernel[...].astype(self.dtype))
+    def __call__(self, x, *, flat_contraction: bool = False):
+        """flat_contraction: contract the kernel's leading axes (o_proj's heads and head_dim) as one flattened
+        axis. The same product; in the decode loop XLA:CPU otherwise copies the kernel into another axis order at
+        every step, but in the training step the flat form costs TPU memory (+5.4 GiB of temps per chip on the
+        v5p-8 8B policy step), so only the sampler's cached path asks for it."""
+        kernel = self.kernel[...].astype(self.dtype)
+        if not (flat_contraction and self.contracted > 1):
+            y = jnp.einsum(self.einsum_str, x, kernel)
+        else:
+            y = jnp.einsum(self.flat_einsum, x.reshape(x.shape[:-self.contracted] + (-1,)),
+                           kernel.reshape((-1,) + kernel.shape[self.contracted:]))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -394,19 +409,32 @@ def blocked_causal_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, block
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def heads_major_attention(q_BTNH, k_BKSH, v_BKSH, mask_B1TS) -> jax.Array:
+# The sampler's heads-major KV cache, per layer: logical axis names of each array (None: the cache slots).
+# Keys are stored transposed, [B, K, H, S], so that both decode products are plain [Q, H] x [H, S] and
+# [Q, S] x [S, H] matmuls: against keys stored [S, H], XLA:CPU's Q.K^T took 6-7x the time of P.V over the same
+# bytes (1.8 ms of an 8.3 ms decode step of the 24M bench model; BENCHMARKS.md, "Sampler").
+HEADS_MAJOR_CACHE = {"k_BKHS": ("batch", "kv_heads", "head_dim", None),
+                     "v_BKSH": ("batch", "kv_heads", None, "head_dim")}
+
+
+def cache_slot_axis(name: str) -> int:
+    """The slots axis of a heads-major cache array (see HEADS_MAJOR_CACHE)."""
+    return HEADS_MAJOR_CACHE[name].index(None)
+
+
+def heads_major_attention(q_BTNH, k_BKHS, v_BKSH, mask_B1TS) -> jax.Array:
     """Attention of T queries over a heads-major KV cache: [B, T, N, H] out. The G = N // K query heads sharing a
     kv head are stacked with the T queries into one [G*T, H] block per (row, kv head), so both products are
     plain batched matmuls over (B, K) with the cache as stored: XLA moves no cache bytes besides reading them.
     Same math as jax.nn.dot_product_attention's XLA path (scale after the product, float32 softmax, masked
     logits at a large finite negative: a row that sees no slot averages them, as there)."""
     B, T, N, H = q_BTNH.shape
-    K = k_BKSH.shape[1]
+    K = k_BKHS.shape[1]
     G = N // K
     q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
-    logits_BKQS = jnp.einsum("BKQH,BKSH->BKQS", q_BKQH, k_BKSH)
+    logits_BKQS = jnp.einsum("BKQH,BKHS->BKQS", q_BKQH, k_BKHS)
     logits_BKQS = logits_BKQS * jnp.asarray(H ** -0.5, logits_BKQS.dtype)
-    S = k_BKSH.shape[2]
+    S = k_BKHS.shape[3]
     mask_B1QS = jnp.broadcast_to(mask_B1TS[:, :, None], (B, 1, G, T, S)).reshape(B, 1, G * T, S)
     logits_BKQS = jnp.where(mask_B1QS, logits_BKQS.astype(jnp.float32),
                             jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
@@ -434,27 +462,26 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(self.q_proj(x_BTD), cos, sin)
         k_BTKH = apply_rope(self.k_proj(x_BTD), cos, sin)
         v_BTKH = self.v_proj(x_BTD)
-        if kv_cache is not None and "k_BKSH" in kv_cache:
+        if kv_cache is not None and "v_BKSH" in kv_cache:
             # Heads-major cache (the sampler's): write this step's K/V at slots [cache_pos, cache_pos + T), then
-            # attend over every slot; each (row, kv head) reads its keys as one contiguous [S, H] matrix.
-            start = (0, 0, cache_pos, 0)
-            k_BKSH = jax.lax.dynamic_update_slice(
-                kv_cache["k_BKSH"], k_BTKH.swapaxes(1, 2).astype(kv_cache["k_BKSH"].dtype), start)
+            # attend over every slot; each (row, kv head) reads its keys as one contiguous [H, S] matrix.
+            k_BKHS = jax.lax.dynamic_update_slice(
+                kv_cache["k_BKHS"], k_BTKH.transpose(0, 2, 3, 1).astype(kv_cache["k_BKHS"].dtype), (0, 0, 0, cache_pos))
             v_BKSH = jax.lax.dynamic_update_slice(
-                kv_cache["v_BKSH"], v_BTKH.swapaxes(1, 2).astype(kv_cache["v_BKSH"].dtype), start)
-            if k_BKSH.shape[2] == x_BTD.shape[1]:
+                kv_cache["v_BKSH"], v_BTKH.swapaxes(1, 2).astype(kv_cache["v_BKSH"].dtype), (0, 0, cache_pos, 0))
+            if v_BKSH.shape[2] == x_BTD.shape[1]:
                 # The new tokens fill the whole cache (a prefill, cache_pos 0): causal self-attention over them with
                 # the no-cache implementations (on CPU "blocked" skips the masked half: 1.7x at 64 x 256 tokens).
                 # The last query row of the mask is the key-valid mask.
                 out_BTNH = self._self_attention(q_BTNH, k_BTKH, v_BTKH, mask[:, 0, -1, :])
             elif self.cache_implementation == "cudnn":
                 out_BTNH = jax.nn.dot_product_attention(
-                    q_BTNH, k_BKSH.swapaxes(1, 2).astype(q_BTNH.dtype), v_BKSH.swapaxes(1, 2).astype(q_BTNH.dtype),
-                    mask=mask, implementation="cudnn")
+                    q_BTNH, k_BKHS.transpose(0, 3, 1, 2).astype(q_BTNH.dtype),
+                    v_BKSH.swapaxes(1, 2).astype(q_BTNH.dtype), mask=mask, implementation="cudnn")
             else:
-                out_BTNH = heads_major_attention(q_BTNH, k_BKSH.astype(q_BTNH.dtype), v_BKSH.astype(q_BTNH.dtype),
+                out_BTNH = heads_major_attention(q_BTNH, k_BKHS.astype(q_BTNH.dtype), v_BKSH.astype(q_BTNH.dtype),
                                                  mask)
-            return self.o_proj(out_BTNH), {"k_BKSH": k_BKSH, "v_BKSH": v_BKSH}
+            return self.o_proj(out_BTNH, flat_contraction=True), {"k_BKHS": k_BKHS, "v_BKSH": v_BKSH}
         if kv_cache is not None:
             # Write this step's K/V at slots [cache_pos, cache_pos + T), then attend over the whole cache.
             start = (0, cache_pos, 0, 0)
@@ -645,7 +672,8 @@ class Llama(nnx.Module):
                    heads_major: bool = False) -> list[dict[str, jax.Array]]:
         """Per layer {'k', 'v'}: [B, max_len, K, H] zeros in the compute dtype.
 
-        heads_major=True: per layer {'k_BKSH', 'v_BKSH'}: [B, K, max_len, H], the decoding layout (the sampler's).
+        heads_major=True: per layer {'k_BKHS': [B, K, H, max_len], 'v_BKSH': [B, K, max_len, H]}, the decoding
+        layout (the sampler's, see HEADS_MAJOR_CACHE).
         Attention then reads each (row, kv head)'s slots as one contiguous matrix; with [B, S, K, H], XLA:CPU
         transposes the whole cache at every decode step (1.4x a step's time on the 24M bench model)."""
         c = self.config
@@ -654,8 +682,8 @@ class Llama(nnx.Module):
                                   "needs per-layer modules: build or load it with scan_layers=False.")
         dtype = dtype or c.dtype
         if heads_major:
-            shape = (batch_size, c.num_kv_heads, max_len, c.head_dim)
-            return [{"k_BKSH": jnp.zeros(shape, dtype), "v_BKSH": jnp.zeros(shape, dtype)}
+            B, K, H = batch_size, c.num_kv_heads, c.head_dim
+            return [{"k_BKHS": jnp.zeros((B, K, H, max_len), dtype), "v_BKSH": jnp.zeros((B, K, max_len, H), dtype)}
                     for _ in range(c.num_layers)]
         shape = (batch_size, max_len, c.num_kv_heads, c.head_dim)
         return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(c.num_layers)]
@@ -678,7 +706,7 @@ class Llama(nnx.Module):
         B, T = input_ids.shape
         if cache is not None:
             cache_pos = jnp.asarray(0 if cache_pos is None else cache_pos, jnp.int32)
-            S = cache[0]["k_BKSH"].shape[2] if "k_BKSH" in cache[0] else cache[0]["k"].shape[1]
+            S = cache[0]["v_BKSH"].shape[2] if "v_BKSH" in cache[0] else cache[0]["k"].shape[1]
             slot_valid_BS = (jnp.ones((B, S), bool) if attention_mask is None
                              else jnp.asarray(attention_mask).astype(bool))
             if positions is None:
