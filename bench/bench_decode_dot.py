@@ -5,11 +5,11 @@
 
 Why it exists: a batch-8 decode step of the sampler bench's 24M model is a chain of such products (every
 weight read once per step, 8 rows), and its time sets the sampler's tokens/s. This prints, per shape and row
-count M, the time of one product with its weights cold (a chain over distinct weight copies, >= 128 MB in all,
+count M, the time of one product with its weights cold (a chain over distinct weight arrays, >= 128 MB in all,
 each product's input depending on the last one's output), the weight bytes read per second and the FLOP/s, for
-jax.jit (a fori_loop of the chain: one XLA execution, no dispatch between products) and for PyTorch (eager, the
-same chain in a Python loop, as transformers runs its linears), next to two ceilings measured in the same run:
-the read bandwidth (jnp.sum over 256 MB) and the float32 matmul peak (2048^3, the better of the two sides).
+jax.jit (16 products per compiled program, as in a decode step: separate weight arrays, no slicing) and for
+PyTorch (eager, the same chain in a Python loop, as transformers runs its linears), next to two ceilings measured
+in the same run: the read bandwidth (jnp.sum over 256 MB) and the float32 matmul peak (2048^3, the better side).
 Shapes (K x N), the 24M row's: unembedding 256 x 32000, MLP gate (and up) 256 x 1024, down 1024 x 256, query (and
 output) 256 x 256, key (and value) 256 x 128.
 """
@@ -21,6 +21,7 @@ import time
 
 SHAPES = {"unembed": (256, 32000), "gate": (256, 1024), "down": (1024, 256), "query": (256, 256), "kv": (256, 128)}
 COLD_BYTES = 128 << 20
+GROUP = 16  # products per compiled program (one program per shape, dispatched per group)
 
 
 def best_time(fn, reps: int) -> float:
@@ -33,44 +34,53 @@ def best_time(fn, reps: int) -> float:
     return best
 
 
-def jax_chain(M: int, K: int, N: int, copies: int, chain: int, reps: int) -> float:
-    """Seconds per product: `chain` products over `copies` distinct [K, N] weights in one compiled loop."""
+def jax_chain(weights_np: list, x_np, rounds: int, reps: int, group: int) -> float:
+    """Seconds per product: `rounds` passes over the distinct weights, `group` products chained in one compiled
+    program (the same program for every group of equal shapes), the groups dispatched back to back."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    rng = np.random.default_rng(0)
-    w_CKN = jnp.asarray(rng.standard_normal((copies, K, N), dtype=np.float32) / np.sqrt(K))
-    x_MK = jnp.asarray(rng.standard_normal((M, K), dtype=np.float32))
+    # Separate arrays, not slices of one [copies, K, N] array: a product over `w_CKN[i % copies]` in a loop makes
+    # XLA copy the slice into a new buffer before every product (a dynamic-slice fusion: the unembedding's
+    # 32.8 MB read and written again), and that copy would be timed with the product.
+    weights = [jnp.asarray(w) for w in weights_np]
+    groups = [tuple(weights[i:i + group]) for i in range(0, len(weights), group)]
 
     @jax.jit
-    def run(w_CKN, x_MK):
-        def body(i, x):
-            y_MN = x @ w_CKN[i % copies]
+    def run_group(weights, x):
+        for w_KN in weights:
+            y_MN = x @ w_KN
             # Feed a column of the output back so each product waits for the last (no reordering, no dead code).
-            return x + 1e-30 * y_MN[:, :1]
-        return jax.lax.fori_loop(0, chain, body, x_MK)
+            x = x + 1e-30 * y_MN[:, :1]
+        return x
 
-    return best_time(lambda: run(w_CKN, x_MK).block_until_ready(), reps) / chain
+    def run():
+        x = jnp.asarray(x_np)
+        for _ in range(rounds):
+            for weights in groups:
+                x = run_group(weights, x)
+        return x.block_until_ready()
+
+    return best_time(run, reps) / (rounds * len(weights))
 
 
-def torch_chain(M: int, K: int, N: int, copies: int, chain: int, reps: int) -> float:
+def torch_chain(weights_np: list, x_np, rounds: int, reps: int) -> float:
     import torch
 
-    gen = torch.Generator().manual_seed(0)
     # nn.Linear's layout: weight [N, K], y = x @ weight.T (what transformers' Llama runs).
-    w_CNK = torch.randn(copies, N, K, generator=gen) / K ** 0.5
-    x_MK = torch.randn(M, K, generator=gen)
+    weights = [torch.from_numpy(w.T.copy()) for w in weights_np]
+    x_MK = torch.from_numpy(x_np)
 
     def run():
         x = x_MK
         with torch.inference_mode():
-            for i in range(chain):
-                y_MN = torch.nn.functional.linear(x, w_CNK[i % copies])
-                x = x + 1e-30 * y_MN[:, :1]
+            for _ in range(rounds):
+                for w_NK in weights:
+                    y_MN = torch.nn.functional.linear(x, w_NK)
+                    x = x + 1e-30 * y_MN[:, :1]
         return x
 
-    return best_time(run, reps) / chain
+    return best_time(run, reps) / (rounds * len(weights))
 
 
 def read_bandwidth() -> float:
@@ -100,7 +110,8 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=0, help="pin both sides to the first N cores (0: all)")
     parser.add_argument("--rows", default="1,8,32", help="comma-separated row counts M (8: the sampler bench)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated of {list(SHAPES)}")
-    parser.add_argument("--chain", type=int, default=64, help="products per timed call")
+    parser.add_argument("--chain", type=int, default=64, help="at least this many products per timed call "
+                        "(whole passes over every weight copy)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell (best reported)")
     args = parser.parse_args()
     if args.cores:
@@ -108,13 +119,14 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
 
     import jax
+    import numpy as np
     import torch
 
     torch.set_num_threads(cores)
     bandwidth = read_bandwidth()
     peak = max(matmul_peak())
     print(f"\nfloat32 [M, K] x [K, N], weights cold ({COLD_BYTES >> 20} MB of distinct copies), {cores} core(s); "
-          f"jax {jax.__version__} (XLA:CPU, one jitted loop) vs torch {torch.__version__} eager F.linear "
+          f"jax {jax.__version__} (XLA:CPU, {GROUP} products a program) vs torch {torch.__version__} eager F.linear "
           f"({torch.get_num_threads()} threads). Read bandwidth (jnp.sum, 256 MB): {bandwidth / 1e9:.1f} GB/s; "
           f"matmul peak (2048^3, better side): {peak / 1e9:.1f} GFLOP/s.")
     print("| shape (K x N) | M | jax us | torch us | torch / jax | jax GB/s | jax GFLOP/s (% peak) | torch GB/s "
@@ -122,10 +134,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         K, N = SHAPES[name]
-        copies = max(1, -(-COLD_BYTES // (K * N * 4)))
+        copies = -(-COLD_BYTES // (K * N * 4))
+        group = min(GROUP, copies)
+        copies = -(-copies // group) * group
+        rng = np.random.default_rng(0)
+        weights = [(rng.standard_normal((K, N), dtype=np.float32) / np.float32(K ** 0.5)) for _ in range(copies)]
+        rounds = max(1, -(-args.chain // copies))
         for M in (int(m) for m in args.rows.split(",")):
-            ours = jax_chain(M, K, N, copies, args.chain, args.reps)
-            theirs = torch_chain(M, K, N, copies, args.chain, args.reps)
+            x = rng.standard_normal((M, K), dtype=np.float32)
+            ours = jax_chain(weights, x, rounds, args.reps, group)
+            theirs = torch_chain(weights, x, rounds, args.reps)
             weight_bytes, flops = K * N * 4, 2 * M * K * N
             print(f"| {name} {K} x {N} | {M} | {ours * 1e6:.0f} | {theirs * 1e6:.0f} | {theirs / ours:.2f}x "
                   f"| {weight_bytes / ours / 1e9:.1f} | {flops / ours / 1e9:.1f} ({100 * flops / ours / peak:.0f}%) "
