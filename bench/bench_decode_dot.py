@@ -7,7 +7,7 @@ Why it exists: a batch-8 decode step of the sampler bench's 24M model is a chain
 weight read once per step, 8 rows), and its time sets the sampler's tokens/s. This prints, per shape and row
 count M, the time of one product with its weights cold (a chain over distinct weight arrays, >= 128 MB in all,
 each product's input depending on the last one's output), the weight bytes read per second and the FLOP/s, for
-jax.jit (16 products per compiled program, as in a decode step: separate weight arrays, no slicing) and for
+jax.jit (up to 16 products per compiled program, as in a decode step: separate weight arrays, no slicing) and for
 PyTorch (eager, the same chain in a Python loop, as transformers runs its linears), next to two ceilings measured
 in the same run: the read bandwidth (jnp.sum over 256 MB) and the float32 matmul peak (2048^3, the better side).
 Shapes (K x N), the 24M row's: unembedding 256 x 32000, MLP gate (and up) 256 x 1024, down 1024 x 256, query (and
@@ -126,7 +126,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     peak = max(matmul_peak())
     print(f"\nfloat32 [M, K] x [K, N], weights cold ({COLD_BYTES >> 20} MB of distinct copies), {cores} core(s); "
-          f"jax {jax.__version__} (XLA:CPU, {GROUP} products a program) vs torch {torch.__version__} eager F.linear "
+          f"jax {jax.__version__} (XLA:CPU, up to {GROUP} products a program) vs torch {torch.__version__} eager F.linear "
           f"({torch.get_num_threads()} threads). Read bandwidth (jnp.sum, 256 MB): {bandwidth / 1e9:.1f} GB/s; "
           f"matmul peak (2048^3, better side): {peak / 1e9:.1f} GFLOP/s.")
     print("| shape (K x N) | M | jax us | torch us | torch / jax | jax GB/s | jax GFLOP/s (% peak) | torch GB/s "
