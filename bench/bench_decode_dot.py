@@ -126,9 +126,9 @@ def main() -> None:
     bandwidth = read_bandwidth()
     peak = max(matmul_peak())
     print(f"\nfloat32 [M, K] x [K, N], weights cold ({COLD_BYTES >> 20} MB of distinct copies), {cores} core(s); "
-          f"jax {jax.__version__} (XLA:CPU, up to {GROUP} products a program) vs torch {torch.__version__} eager F.linear "
-          f"({torch.get_num_threads()} threads). Read bandwidth (jnp.sum, 256 MB): {bandwidth / 1e9:.1f} GB/s; "
-          f"matmul peak (2048^3, better side): {peak / 1e9:.1f} GFLOP/s.")
+          f"jax {jax.__version__} (XLA:CPU, up to {GROUP} products a program) vs torch {torch.__version__} eager "
+          f"F.linear ({torch.get_num_threads()} threads). Read bandwidth (jnp.sum, 256 MB): "
+          f"{bandwidth / 1e9:.1f} GB/s; matmul peak (2048^3, better side): {peak / 1e9:.1f} GFLOP/s.")
     print("| shape (K x N) | M | jax us | torch us | torch / jax | jax GB/s | jax GFLOP/s (% peak) | torch GB/s "
           "| torch GFLOP/s | jax's weight stream vs read bandwidth |")
     print("|---|---|---|---|---|---|---|---|---|---|")
