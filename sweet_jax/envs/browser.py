@@ -3,10 +3,10 @@ selenium, for ColBench's frontend track.
 
 How a page is contained:
 - The browser's only way out is a proxy in this process (`PageServer`, on 127.0.0.1) that answers exactly two
-  kinds of request: the page being rendered (at `http://<random-name>.invalid/`) and the shared placeholder
-  image (`PLACEHOLDER_URL`). Everything else, loopback included (`--proxy-bypass-list=<-loopback>`), gets 403;
-  HTTPS/WebSocket tunnels (CONNECT) are refused; host-name resolution is switched off; WebRTC may not use UDP
-  outside the proxy. So a page reaches neither the network nor any port on the host (chromedriver's own
+  kinds of request: the page being rendered (at `http://<random-name>.invalid/`) and the placeholder picture
+  (`sweet_jax.data.frontend.placeholder_url(width, height)`). Everything else, loopback included
+  (`--proxy-bypass-list=<-loopback>`), gets 403; HTTPS/WebSocket tunnels (CONNECT) are refused; host-name
+  resolution is switched off; WebRTC may not use UDP outside the proxy. So a page reaches neither the network nor any port on the host (chromedriver's own
   included).
 - The page is served over http, so the browser refuses its file:// loads (iframes, images, fetches): it sees
   no file but itself and the placeholder.
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import http.server
 import io
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -36,6 +38,7 @@ from typing import Sequence
 
 from PIL import Image
 
+from sweet_jax.data.frontend import MAX_PLACEHOLDER_SIDE, PLACEHOLDER_HOST, placeholder_url
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,7 @@ log = logging.getLogger(__name__)
 VIEWPORT = (1280, 800)         # (width, height) in CSS pixels: a common laptop screen, fixed for every page
 MAX_PAGE_HEIGHT = 8000         # full-page screenshots are cut here
 PAGE_TIME_LIMIT_S = 15.0       # load + layout + screenshot of one page
-PLACEHOLDER_URL = "http://placeholder.invalid/image.png"   # the one picture a page may show (issue: WebSight)
-PLACEHOLDER_SIZE = (400, 300)
+PLACEHOLDER_URL = placeholder_url(400, 300)   # what tests and demo pages show
 
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -68,8 +70,9 @@ class BrowserNotFoundError(SweetJaxError):
     """No Chromium / chromedriver on this machine."""
 
 
-def placeholder_png(size=PLACEHOLDER_SIZE) -> bytes:
-    """A grey picture with a darker frame: what every image of a frontend task shows."""
+@functools.lru_cache(maxsize=64)
+def placeholder_png(size=(400, 300)) -> bytes:
+    """A grey picture with a darker band at the top and bottom: what every picture of a frontend task shows."""
     image = Image.new("RGB", size, (190, 190, 190))
     image.paste((140, 140, 140), (0, 0, size[0], 8))
     image.paste((140, 140, 140), (0, size[1] - 8, size[0], size[1]))
@@ -85,15 +88,16 @@ class PageServer:
         self.pages: dict[str, bytes] = {}          # host -> HTML
         self.refused: list[str] = []               # request lines refused (for tests and logs)
         self._lock = threading.Lock()
-        placeholder = placeholder_png()
         server = self
+        picture = re.compile(rf"http://{re.escape(PLACEHOLDER_HOST)}/(\d+)x(\d+)\.png")
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 — the stdlib's naming
                 # A proxy request names the full URL: "GET http://host/path HTTP/1.1".
                 url = self.path
-                if url == PLACEHOLDER_URL:
-                    return self._send(200, "image/png", placeholder)
+                if (match := picture.fullmatch(url)) and all(
+                        1 <= int(side) <= MAX_PLACEHOLDER_SIDE for side in match.groups()):
+                    return self._send(200, "image/png", placeholder_png(tuple(map(int, match.groups()))))
                 host, _, path = url.removeprefix("http://").partition("/")
                 body = server.pages.get(host) if url.startswith("http://") and path == "" else None
                 if body is not None:
