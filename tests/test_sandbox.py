@@ -68,6 +68,18 @@ def _demo_tasks_path():
     return os.path.join(os.path.dirname(sweet_jax.__file__), "data", "demo", "tasks.jsonl")
 
 
+# Tagged values (protocol.py) a child may forge: NaN, which the zygote could not re-encode; 490
+# containers (980 JSON levels), under the zygote's recursion limit but over the trainer's; 20,000
+# ints that all hash alike (multiples of 2**61 - 1), quadratic to put in a set or a dict.
+_FORGED_VALUES = {
+    "nan": '["l",[["f","0x1p+0"],NaN]]',
+    "nested_980_deep": '["l",[' * 490 + '["n"]' + ']]' * 490,
+    "colliding_set": '["S",[' + ",".join(f'["i","{k * (2**61 - 1)}"]' for k in range(1, 20_001)) + ']]',
+    "colliding_dict": '["d",[' + ",".join(f'[["i","{k * (2**61 - 1)}"],["n"]]'
+                                          for k in range(1, 20_001)) + ']]',
+}
+
+
 def _hostile_programs(sentinels):
     d, outside, trainer_pid = sentinels["dir"], sentinels["outside"], os.getpid()
     return {
@@ -210,6 +222,16 @@ def _hostile_programs(sentinels):
             "def f(a, b):\n    open('/tmp/leak.txt', 'w').write('hello')\n"
             "    try:\n        open('/dev/shm/leak', 'w').write('hello')\n    except OSError:\n"
             "        pass\n    return None\n"),
+        # Forged result frames written straight to the result pipe, for the case being run: the
+        # zygote must refuse them as that case's output (never crash, never hand them on).
+        **{f"forged_frame_{kind}": (
+            "import os\ndef f(a, b):\n"
+            "    i = 0 if (a, b) == (1, 2) else 1\n"
+            f"    body = ('{{\"k\":\"case\",\"i\":%d,\"v\":' % i + {value!r}).encode() + b'}}'\n"
+            "    for fd in range(3, 64):\n"
+            "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
+            "        except OSError:\n            pass\n    return None\n")
+           for kind, value in _FORGED_VALUES.items()},
         "reads_files_left_by_the_previous_evaluation": (
             "import os\ndef f(a, b):\n"
             "    return a + b if os.path.exists('/tmp/leak.txt') or os.path.exists('/dev/shm/leak') else None\n"),
@@ -275,6 +297,41 @@ def test_hostile_programs_in_parallel_do_not_disturb_good_ones(evaluator, sentin
     scores = evaluator.score_many(pairs)
     assert [s.reward for s in scores] == [0.0] * len(quick) + [1.0] * 20
     assert not _processes_of(evaluator.child_host_uids())
+
+
+def test_forged_result_frames_fail_their_case_without_costing_the_trainer(evaluator, sentinels):
+    programs = _hostile_programs(sentinels)
+    names = [f"forged_frame_{kind}" for kind in _FORGED_VALUES]
+    cpu = time.process_time()  # this process only: the trainer's side of the evaluations
+    scores = evaluator.score_many([(ADD_TASK, programs[name]) for name in names])
+    cpu = time.process_time() - cpu
+    for name, score in zip(names, scores):
+        assert (score.status, score.reward) == ("ok", 0.0), (name, score)
+        first = score.details["cases"][0]
+        assert first["outcome"] == "invalid", (name, first)
+    messages = [s.details["cases"][0]["message"] for s in scores]
+    assert "unreadable" in messages[0]
+    assert "nested deeper than 64" in messages[1]
+    assert "one hash value" in messages[2] and "one hash value" in messages[3]
+    assert cpu < 2.0, f"the trainer spent {cpu:.1f} s of CPU on four forged frames"
+
+
+def test_one_time_budget_per_evaluation_ends_a_hang_in_every_case():
+    """Module-level code using most of timeout_s, then a hang in every case: each case would cost
+    a timeout plus a re-run of the module; the evaluation's budget ends it, and it scores 0."""
+    timeout_s, n = 0.3, 12
+    task = {"ground_truth": "def f(i):\n    return i\n", "test_cases": {str(i): f"f({i})" for i in range(n)}}
+    answer = "import time\ntime.sleep(0.25)\ndef f(i):\n    while True:\n        pass\n"
+    with Evaluator(workers=1, timeout_s=timeout_s) as ev:
+        start = time.monotonic()
+        score = ev.score(task, answer)
+        elapsed = time.monotonic() - start
+        assert (score.status, score.reward) == ("ok", 0.0)
+        outcomes = [c["outcome"] for c in score.details["cases"]]
+        assert set(outcomes) == {"timeout"}
+        assert "budget" in score.details["cases"][-1]["message"]
+        assert elapsed < (n + 1) * timeout_s + SLACK_S
+        assert ev.score(task, "def f(i):\n    return i\n").reward == 1.0
 
 
 def test_results_too_large_in_total_fail_the_remaining_cases_not_the_sandbox(evaluator):

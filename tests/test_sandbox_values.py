@@ -86,3 +86,37 @@ def test_sweet_rl_code_applies_the_official_deny_list_and_fence_rule():
     assert sweet_rl_code("import os\ndef f(): pass")[0] is None
     assert "deny-list" in sweet_rl_code("x = 1\nsys.exit(0)")[1]
     assert sweet_rl_code("```python\ndef f(): pass\n```")[0] == "\ndef f(): pass\n"
+
+
+def test_sets_and_dicts_of_colliding_hashes_are_rejected_not_built():
+    """20,000 ints congruent mod 2**61 - 1 hash alike: building the set is quadratic (seconds).
+    Equal members (duplicates) and a few chance collisions are fine."""
+    colliding = [["i", str(k * (2**61 - 1))] for k in range(1, 20_001)]
+    for tagged in (["S", colliding], ["F", colliding], ["d", [[k, ["n"]] for k in colliding]]):
+        with pytest.raises(ValueRejected, match="one hash value"):
+            decode_value(tagged)
+    assert decode_value(["S", [["i", "7"]] * 20_000 + [["f", (7.0).hex()], ["b", True]]]) == {7, True}
+    few = {k * (2**61 - 1) for k in range(1, 9)}
+    assert decode_value(encode_value(few)) == few
+
+
+@pytest.mark.parametrize("body", [b'{"k":"case","v":NaN}', b'{"v":Infinity}', b'{"v":-Infinity}',
+                                  b'[' * 100_000 + b']' * 100_000, b'{"a":1', b'\xff\xfe'])
+def test_frames_with_nan_deep_nesting_or_bad_bytes_are_rejected(body):
+    from sweet_jax.sandbox.protocol import parse_frame_body
+
+    with pytest.raises(ValueRejected):
+        parse_frame_body(body)
+
+
+def test_code_fence_extraction_is_linear():
+    """300 KB of ``` with no newline took 101 s through a backtracking regex."""
+    import time
+
+    start = time.process_time()
+    assert extract_code("```" * 100_000) == "```" * 100_000
+    assert extract_code("```python\n" + "x```" * 75_000) == "x"
+    assert time.process_time() - start < 1.0
+    answer = "x\n```py3 x\nno\n```\n```Python  extra\nyes = 1\n```tail"
+    assert extract_code(answer) == "yes = 1\n"
+    assert extract_code("```\nfirst\n```\n```js\nsecond") == "first\n"

@@ -437,8 +437,16 @@ class Zygote:
         module = "ok"
         start = 0
         self.result_bytes = 0
+        # One wall-clock budget for the whole evaluation (the module and every case), below the
+        # trainer's own deadline for this worker: code that makes each case (or each re-run of
+        # its module) use most of timeout_s runs out of budget, and its remaining cases time out.
+        budget = time.monotonic() + timeout_s * (len(calls) + 1)
         while start < len(calls):
-            outcome = self._run_child(request, start, timeout_s, strict, cases)
+            if time.monotonic() >= budget:
+                for i in range(start, len(calls)):
+                    cases[i] = {"s": "timeout", "e": "the evaluation's time budget is spent"}
+                break
+            outcome = self._run_child(request, start, timeout_s, budget, strict, cases)
             if outcome is not None and outcome[0] == "module":
                 module = outcome[1]
                 for i in range(start, len(calls)):
@@ -447,7 +455,7 @@ class Zygote:
             start = next((i for i, c in enumerate(cases) if c is None), len(calls))
         return {"k": "result", "module": module, "cases": cases}
 
-    def _run_child(self, request, start, timeout_s, strict, cases):
+    def _run_child(self, request, start, timeout_s, budget, strict, cases):
         """Runs cases[start:] in one child; on a hang or crash, marks the current case and returns."""
         read_fd, write_fd = os.pipe()
         pid = os.fork()
@@ -461,7 +469,7 @@ class Zygote:
         stream = _FrameReader(read_fd)
         waiting_module = strict
         current = start
-        deadline = time.monotonic() + timeout_s
+        deadline = min(time.monotonic() + timeout_s, budget)
         result = None
         try:
             while current < len(cases):
@@ -490,21 +498,28 @@ class Zygote:
                 if waiting_module:
                     if kind == "module_ok":
                         waiting_module = False
-                        deadline = time.monotonic() + timeout_s
+                        deadline = min(time.monotonic() + timeout_s, budget)
                         continue
-                    error = message.get("e") if kind == "module_err" else "protocol violation"
-                    result = ("module", str(error)[:300])
+                    error = _text(message.get("e")) if kind == "module_err" else "protocol violation"
+                    result = ("module", error)
                     break
                 if kind != "case" or message.get("i") != current:
                     cases[current] = {"s": "invalid", "e": "protocol violation"}
                     result = ("case", None)
                     break
                 if "v" in message:
-                    cases[current] = {"s": "ok", "v": message["v"]}
+                    # Checked here, by the same decoder the trainer uses (depth, size, hashes), so
+                    # that only well-formed values reach the trainer: a forged one fails its case.
+                    try:
+                        protocol.decode_value(message["v"])
+                    except protocol.ValueRejected as e:
+                        cases[current] = {"s": "invalid", "e": str(e)[:300]}
+                    else:
+                        cases[current] = {"s": "ok", "v": message["v"]}
                 else:
-                    cases[current] = {"s": "error", "e": str(message.get("e"))[:300]}
+                    cases[current] = {"s": "error", "e": _text(message.get("e"))}
                 current += 1
-                deadline = time.monotonic() + timeout_s
+                deadline = min(time.monotonic() + timeout_s, budget)
         finally:
             os.close(read_fd)
             self._kill_all(pid)
@@ -580,6 +595,12 @@ class Zygote:
                 reaped += 1
             if not reaped:
                 time.sleep(0.005)
+
+
+def _text(x):
+    """A child's error message: a short string, whatever it sent (str() of a forged 900-deep list
+    would recurse, of a huge one would take long)."""
+    return x[:300] if type(x) is str else "error"
 
 
 def _children_of(ppid):

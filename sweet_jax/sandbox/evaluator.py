@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import select
 import signal
 import subprocess
@@ -103,7 +102,32 @@ def task_cases(task):
                        f"got {type(cases).__name__}")
 
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+_LANGUAGE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+.-")
+
+
+def _fenced_blocks(text):
+    """[(language, body)] of the ```-fenced blocks of text, in one left-to-right pass (str.find
+    only: linear in len(text), where a regex with a lazy body backtracks quadratically on a long
+    run of fences without a newline). A fence's first line names the language (its leading
+    [A-Za-z0-9_+.-] word after spaces); the body runs to the next ``` or to the end."""
+    blocks, pos = [], 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return blocks
+        newline = text.find("\n", start + 3)
+        if newline < 0:  # no later fence can have a first line either
+            return blocks
+        header = text[start + 3:newline].lstrip(" \t")
+        end = 0
+        while end < len(header) and header[end] in _LANGUAGE_CHARS:
+            end += 1
+        close = text.find("```", newline + 1)
+        body_end = len(text) if close < 0 else close
+        blocks.append((header[:end], text[newline + 1:body_end]))
+        if close < 0:
+            return blocks
+        pos = close + 3
 
 
 def extract_code(answer):
@@ -113,7 +137,7 @@ def extract_code(answer):
     marker = "I WANT TO ANSWER:"
     if marker in text[:200]:
         text = text.split(marker, 1)[1]
-    blocks = _FENCE.findall(text)
+    blocks = _fenced_blocks(text)
     for language, body in blocks:
         if language.lower() in ("python", "py", "python3"):
             return body
@@ -397,7 +421,9 @@ class Evaluator:
         calls = [c for _, c in cases]
         denied = None
         answer = answer if isinstance(answer, str) else ""
-        if self.compat == "sweet_rl":
+        if len(answer) > MAX_CODE_CHARS:  # before any parsing: extraction is linear, but not free
+            code, denied = None, f"answer longer than {MAX_CODE_CHARS} characters"
+        elif self.compat == "sweet_rl":
             code, denied = sweet_rl_code(answer)
         else:
             code = extract_code(answer)

@@ -31,6 +31,10 @@ MAX_NODES = 200_000  # values (leaves and containers) in one returned value
 MAX_FRAME_BYTES = 8 << 20  # one encoded message
 MAX_RESULT_BYTES = 32 << 20  # all the results of one evaluation
 MAX_INT_DIGITS = 4300  # Python's own default int <-> str limit
+# Distinct members of one set (or keys of one dict) that may share a hash value. Equal hashes of
+# unequal values are rare by chance but easy to forge (ints congruent mod 2**61 - 1), and each one
+# makes building the set cost another probe per member: quadratic without this cap.
+MAX_SHARED_HASH = 8
 
 _HEADER = struct.Struct(">I")
 
@@ -133,21 +137,46 @@ def decode_value(tagged):
                 return x[1]
             if tag == "y" and n == 2 and type(x[1]) is str:
                 return bytes.fromhex(x[1])
-            if n == 2 and tag in ("l", "t", "S", "F"):
+            if n == 2 and tag in ("l", "t"):
+                return (list if tag == "l" else tuple)(items(x[1], depth))
+            if n == 2 and tag in ("S", "F"):
                 body = items(x[1], depth)
-                return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](body)
+                _check_hash_spread(body)
+                return (set if tag == "S" else frozenset)(body)
             if tag == "d" and n == 2 and type(x[1]) is list:
-                out = {}
+                pairs = []
                 for pair in x[1]:
                     if type(pair) is not list or len(pair) != 2:
                         raise ValueRejected("malformed dict item")
-                    out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
-                return out
+                    pairs.append((dec(pair[0], depth + 1), dec(pair[1], depth + 1)))
+                _check_hash_spread([k for k, _ in pairs])
+                return dict(pairs)
         except (ValueError, TypeError, OverflowError) as e:  # bad digits, unhashable key, ...
             raise ValueRejected(f"malformed {tag!r} value: {type(e).__name__}") from None
         raise ValueRejected(f"unknown or malformed tag {tag[:8]!r}")
 
     return dec(tagged, 0)
+
+
+def _check_hash_spread(members):
+    """Rejects members holding more than MAX_SHARED_HASH distinct values of one hash, in time
+    linear in len(members): counting hashes is one pass, and only a crowded hash is looked into."""
+    counts = {}
+    for h in map(hash, members):  # TypeError (an unhashable member) is the caller's malformation
+        counts[h] = counts.get(h, 0) + 1
+    crowded = {h for h, c in counts.items() if c > MAX_SHARED_HASH}
+    if not crowded:
+        return
+    distinct = {}  # hash -> its distinct members so far (at most MAX_SHARED_HASH of them)
+    for m in members:
+        h = hash(m)
+        if h in crowded:
+            seen = distinct.setdefault(h, [])
+            if not any(m == s for s in seen):
+                if len(seen) == MAX_SHARED_HASH:
+                    raise ValueRejected(f"more than {MAX_SHARED_HASH} distinct set members or dict "
+                                        "keys with one hash value")
+                seen.append(m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,10 +235,16 @@ def unpack_header(header):
     return _HEADER.unpack(header)[0]
 
 
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")  # pack_frame never writes NaN or Infinity
+
+
 def parse_frame_body(body):
-    """JSON of one frame; raises ValueRejected for anything that is not a JSON object."""
+    """JSON of one frame; raises ValueRejected for anything that is not a JSON object (NaN and
+    Infinity included). The C parser is linear in the bytes and raises RecursionError, caught here,
+    past the interpreter's recursion limit; decode_value then bounds a value's depth at MAX_DEPTH."""
     try:
-        message = json.loads(body.decode("utf-8", "surrogatepass"))
+        message = json.loads(body.decode("utf-8", "surrogatepass"), parse_constant=_reject_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise ValueRejected(f"unreadable message: {type(e).__name__}") from None
     if type(message) is not dict:
