@@ -117,9 +117,13 @@ class OpenAISimulator(Simulator):
         return content
 
     def reply(self, task, dialogue):
+        return self.complete(simulator_messages(task, dialogue, template=self.template,
+                                                system_prompt=self.system_prompt))
+
+    def complete(self, messages: list[dict]) -> str:
+        """The endpoint's reply to a chat request, with retries and back-off; SimulatorError when it fails."""
         import openai
 
-        messages = simulator_messages(task, dialogue, template=self.template, system_prompt=self.system_prompt)
         last_error = None
         for attempt in range(self.max_retries + 1):
             if attempt:
