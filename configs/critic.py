@@ -8,6 +8,10 @@ Presets:
               --config.data.trajectories / --config.data.tasks to the ColBench files.
   no_info     llama3_8b without training-time information (the paper's ablation baseline).
   demo_no_info  demo without training-time information.
+  official    llama3_8b as the official code trains it (README, "Coming from the official code"): the fork's
+              token mask (data.mask_style=official), c as a raw prefix, the trajectory-mean score, over-long
+              sequences cut from the right (data.length_policy=cut_right).
+  demo_official  demo with the same official behaviour.
 """
 from sweet_jax import config_utils
 
@@ -15,7 +19,7 @@ from sweet_jax import config_utils
 def get_config(preset: str = "demo"):
     c = config_utils.base_config()
     c.loss.kind = "critic"
-    if preset in ("demo", "demo_no_info"):
+    if preset in ("demo", "demo_no_info", "demo_official"):
         c.model.preset = "tiny"
         c.data.max_len = 512          # one bucket: one compile (longer demo dialogues lose early turns)
         c.data.bucket = 512
@@ -27,13 +31,15 @@ def get_config(preset: str = "demo"):
         c.optim.lr = 3e-3
         c.optim.warmup_ratio = 0.05
         c.loss.beta = 0.1
-        c.loss.use_info = preset == "demo"
-    elif preset in ("llama3_8b", "no_info"):
+        c.loss.use_info = preset != "demo_no_info"
+    elif preset in ("llama3_8b", "no_info", "official"):
         config_utils.paper_8b(c)
         c.train.epochs = 4
-        c.loss.use_info = preset == "llama3_8b"
+        c.loss.use_info = preset != "no_info"
     else:
-        raise ValueError(f"unknown critic preset {preset!r}: use one of demo, demo_no_info, llama3_8b, no_info "
-                         "(as configs/critic.py:demo)")
+        raise ValueError(f"unknown critic preset {preset!r}: use one of demo, demo_no_info, llama3_8b, no_info, "
+                         "demo_official, official (as configs/critic.py:demo)")
+    if preset.endswith("official"):
+        config_utils.official(c)
     c.lock()
     return c

@@ -7,11 +7,14 @@ loss.kind picks the algorithm:
   rft    the rejection fine-tuning baseline: SFT on the successful trajectories.
 
 Presets: demo, llama3_8b (SWEET-RL actor: lr 2e-7, beta 0.1, nll 0.01, batch 8, 1 epoch), and the
-baselines demo_mtdpo, demo_rft, mtdpo, rft.
+baselines demo_mtdpo, demo_rft, mtdpo, rft. official: llama3_8b as the official trainer runs it (README, "Coming
+from the official code"): reads the official pairs file (chosen / rejected strings) as well as sweet_jax.rank's,
+the NLL over the whole chosen sequence (loss.nll_scope=sequence), sequences cut from the right at 16384 tokens;
+demo_official: demo with the same behaviour.
 """
 from sweet_jax import config_utils
 
-PRESETS = ("demo", "demo_mtdpo", "demo_rft", "llama3_8b", "mtdpo", "rft")
+PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "llama3_8b", "mtdpo", "rft", "official")
 
 
 def get_config(preset: str = "demo"):
@@ -20,7 +23,7 @@ def get_config(preset: str = "demo"):
         raise ValueError(f"unknown policy preset {preset!r}: use one of {', '.join(PRESETS)} "
                          "(as configs/policy.py:demo)")
     kind = preset.split("_")[-1] if preset.startswith("demo_") else preset
-    c.loss.kind = {"demo": "dpo", "llama3_8b": "dpo"}.get(kind, kind)
+    c.loss.kind = {"demo": "dpo", "llama3_8b": "dpo", "official": "dpo"}.get(kind, kind)
     c.loss.use_info = False           # the policy never sees c
     c.loss.beta = 0.1
     c.loss.nll_coef = 0.01 if c.loss.kind == "dpo" else 0.0
@@ -37,5 +40,9 @@ def get_config(preset: str = "demo"):
     else:
         config_utils.paper_8b(c)
         c.train.epochs = 1
+    if preset.endswith("official"):
+        config_utils.official(c)
+        if preset == "official":
+            c.data.max_len = 16384  # the official policy run's --max_len
     c.lock()
     return c

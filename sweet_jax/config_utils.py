@@ -33,7 +33,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ""             # HF tokenizer directory; '' = model.path if set, else the demo tokenizer
     c.data.max_len = 1024             # tokens per sequence (after bucketing)
     c.data.bucket = 128               # sequence lengths are rounded up to a multiple of this
-    c.data.length_policy = "truncate"  # truncate | drop: what to do with sequences longer than max_len
+    c.data.length_policy = "truncate"  # truncate | drop | cut_right (official): sequences longer than max_len
+    c.data.mask_style = "turns"       # turns (reply + end-of-turn) | official (the fork's mask, data/render.py)
     c.data.info_template = "In light that the final answer is: {ground_truth}."  # the official code's wording
     c.data.info_placement = "system"  # system | first_user | raw_prefix: where c goes (see data/render.py)
     c.data.eval_fraction = 0.1        # fraction of *tasks* held out for evaluation
@@ -66,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss.beta = 0.1
     c.loss.advantage_norm = "turn_mean"  # turn_mean (paper) | trajectory_mean (official code) | sum
     c.loss.nll_coef = 0.0
+    c.loss.nll_scope = "reply"        # reply (the paper) | sequence (official: the whole chosen sequence's NLL)
     c.loss.label_smoothing = 0.0
     c.loss.use_info = True            # critic sees the training-time information c (False = the "without c" baseline)
     # True: the log-probs (unembedding, vocabulary softmax, their backward) run at the action tokens only, the
@@ -86,6 +88,17 @@ def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | 
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
                 scan_layers=bool(m.scan_layers),
                 residual_sharding=residual_sharding(sequence_parallel=True) if m.sequence_parallel else None)
+
+
+def official(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The official code's behaviour on top of paper_8b (README, "Coming from the official code"): its token
+    mask, right-cut over-long sequences, the trajectory-mean critic score, the whole-sequence NLL."""
+    c.data.mask_style = "official"
+    c.data.length_policy = "cut_right"
+    c.data.info_placement = "raw_prefix"
+    c.loss.advantage_norm = "trajectory_mean"
+    c.loss.nll_scope = "sequence"
+    return c
 
 
 def paper_8b(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from sweet_jax.errors import SweetJaxError
 
 ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")
+NLL_SCOPES = ("reply", "sequence")
 
 
 class LossConfigError(SweetJaxError):
@@ -220,6 +221,15 @@ def reply_logprobs(logp_BT: jax.Array, turn_ids_BT: jax.Array) -> tuple[jax.Arra
     mask = turn_ids_BT > 0
     return (jnp.where(mask, _at_least_f32(logp_BT), 0.0).sum(axis=1),
             mask.astype(jnp.float32).sum(axis=1))
+
+
+def sequence_nll(logp_BT: jax.Array, attention_mask_BT: jax.Array) -> jax.Array:
+    """Mean NLL per token over the whole sequence, prompt included -> [B]: every real token but the first (it
+    has no prediction). The official DPO trainer's NLL term (loss.nll_scope='sequence')."""
+    mask_BT = attention_mask_BT > 0
+    mask_BT &= jnp.cumsum(mask_BT, axis=1) > 1  # drop each row's first real token (left or right padding)
+    mask_BT = mask_BT.astype(jnp.float32)
+    return -jnp.sum(mask_BT * _at_least_f32(logp_BT), axis=1) / jnp.maximum(mask_BT.sum(axis=1), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

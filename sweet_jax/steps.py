@@ -170,7 +170,10 @@ def _pair_logprobs(graphdef, params, rest, batch, chunk_size):
 def pair_loss(spec: "LossSpec", graphdef, params, rest, batch, ref_params, denom):
     """(loss, metrics) of one (micro-)batch: the policy's log-probs, the reference's (batch['ref_logp'], or a
     frozen forward of ref_params with no gradient through it), then spec's loss. With batch['score_pos'] every
-    per-token array is read at the scored positions; the loss is the same (it sums over action tokens only)."""
+    per-token array is read at the scored positions; the loss is the same (it sums over action tokens only).
+    nll_scope='sequence' needs every position's log-prob, so score_pos is ignored there."""
+    if spec.nll_scope == "sequence":
+        batch = {k: v for k, v in batch.items() if k != "score_pos"}
     logp = _pair_logprobs(graphdef, params, rest, batch, spec.chunk_size)
     ref = None
     if spec.needs_ref:
@@ -204,6 +207,7 @@ class LossSpec:
     nll_coef: float = 0.0
     label_smoothing: float = 0.0
     chunk_size: int = 512
+    nll_scope: str = "reply"       # 'reply' (the paper) | 'sequence' (the official trainer: prompt included)
 
     def denominator(self, batch) -> jax.Array:
         """The full batch's normaliser, so micro-batch losses add up to the full-batch loss."""
@@ -226,10 +230,13 @@ class LossSpec:
         (chosen, n_chosen), (rejected, _) = (losses.reply_logprobs(logp_BPT[:, i], turn_ids[:, i]) for i in (0, 1))
         (ref_chosen, _), (ref_rejected, _) = (losses.reply_logprobs(ref_logp_BPT[:, i], turn_ids[:, i])
                                               for i in (0, 1))
+        if self.nll_scope == "sequence":
+            chosen_nll = losses.sequence_nll(logp_BPT[:, 0], batch["attention_mask"][:, 0])
+        else:
+            chosen_nll = -chosen / jnp.maximum(n_chosen, 1.0)
         return losses.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta,
-                               label_smoothing=self.label_smoothing,
-                               chosen_nll_B=-chosen / jnp.maximum(n_chosen, 1.0), nll_coef=self.nll_coef,
-                               weight_B=w, denom=denom)
+                               label_smoothing=self.label_smoothing, chosen_nll_B=chosen_nll,
+                               nll_coef=self.nll_coef, weight_B=w, denom=denom)
 
     @property
     def needs_ref(self) -> bool:
@@ -318,17 +325,21 @@ def make_critic_step(state: TrainState, optimizer, mesh=None, *, beta: float = 0
 
 def make_policy_step(state: TrainState, optimizer, mesh=None, *, kind: str = "dpo", beta: float = 0.1,
                      nll_coef: float = 0.0, label_smoothing: float = 0.0, micro_batch_size: int = 0,
-                     chunk_size: int = 512, lr_schedule=None, ref_in_step: bool = False):
+                     chunk_size: int = 512, lr_schedule=None, ref_in_step: bool = False, nll_scope: str = "reply"):
     """policy_step(state, batch[, ref_params]) -> (state, metrics).
 
     kind 'dpo': step-level DPO on [B, 2, T] candidate pairs + nll_coef x chosen per-token NLL; 'mtdpo':
     the same DPO over all action tokens of trajectory pairs; 'sft' (alias 'rft'): NLL of the action tokens
-    of [B, 1, T] successful trajectories (no reference needed).
+    of [B, 1, T] successful trajectories (no reference needed). nll_scope: the chosen NLL over the reply
+    ('reply') or over the whole chosen sequence, prompt included ('sequence', the official trainer).
     """
     if kind not in POLICY_KINDS:
         raise StepConfigError(f"policy step kind={kind!r} is not one of {POLICY_KINDS} (config loss.kind).")
+    if nll_scope not in losses.NLL_SCOPES:
+        raise StepConfigError(f"nll_scope={nll_scope!r} is not one of {losses.NLL_SCOPES} (config loss.nll_scope).")
     kind = "sft" if kind == "rft" else kind
-    spec = LossSpec(kind, beta=beta, nll_coef=nll_coef, label_smoothing=label_smoothing, chunk_size=chunk_size)
+    spec = LossSpec(kind, beta=beta, nll_coef=nll_coef, label_smoothing=label_smoothing, chunk_size=chunk_size,
+                    nll_scope=nll_scope)
     return _make_train_step(spec, state, optimizer, mesh, micro_batch_size=micro_batch_size,
                             lr_schedule=lr_schedule, ref_in_step=ref_in_step and spec.needs_ref)
 

@@ -81,7 +81,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.model.preset in config_utils.MODEL_PRESETS, "model.preset",
          f"use one of {config_utils.MODEL_PRESETS}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
-    need(config.data.length_policy in ("truncate", "drop"), "data.length_policy", "use truncate or drop")
+    need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
+         "use truncate, drop or cut_right (official)")
+    need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
+    need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
     need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
     mb = config.train.micro_batch_size
@@ -255,7 +258,8 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
     kind = config.loss.kind
     options = pairs_lib.RenderOptions(
         max_len=config.data.max_len, overflow=config.data.length_policy,
-        info_template=config.data.info_template, info_placement=config.data.info_placement)
+        info_template=config.data.info_template, info_placement=config.data.info_placement,
+        mask_style=config.data.get("mask_style", "turns"))
     mine = lambda n: batching.host_range(n, config.train.batch_size, process_index, process_count)  # noqa: E731
     if kind == "dpo":
         return _policy_pair_datasets(config, tokenizer, options, mine)
@@ -304,6 +308,7 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
 def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Dataset]:
     """Step-level pairs written by `python -m sweet_jax.rank`: the prompt the candidates were sampled from,
     then the chosen / rejected reply (turn id 1) and its end-of-turn token."""
+    from sweet_jax.data import pairs as pairs_lib
     from sweet_jax.data import render
     from sweet_jax.data.schema import Turn
 
@@ -313,9 +318,10 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
     records = _read_jsonl(config.data.pairs, "ranked policy pairs", "data.pairs")
     for n, r in enumerate(records, start=1):
         missing = [k for k in ("prompt_text", "chosen", "rejected") if k not in r]
-        if missing:
+        if missing and not pairs_lib.is_official_pair_row(r):
             raise TrainConfigError(f"{config.data.pairs}:{n}: missing field(s) {missing}; the file must come from "
-                                   "`python -m sweet_jax.rank`")
+                                   "`python -m sweet_jax.rank`, or be an official pairs file (chosen and rejected "
+                                   "strings)")
     keys = [str(r.get("task_key", r.get("trajectory_index", n))) for n, r in enumerate(records)]
     eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
     stats = render.LengthStats()
@@ -326,8 +332,13 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
         examples, ids = [], []
         for i in part:
             r = listed[i]
-            seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"], r[side]),),
-                                                   label="last") for side in ("chosen", "rejected"))
+            if pairs_lib.is_official_pair_row(r):
+                seqs = pairs_lib.official_pair_sequences(tokenizer, r, max_len=options.max_len,
+                                                         overflow=options.overflow, where=config.data.pairs)
+            else:
+                seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"],
+                                                                        r[side]),), label="last")
+                             for side in ("chosen", "rejected"))
             fitted = render.fit_all(seqs, options.max_len, overflow=options.overflow, stats=stats)
             if fitted is not None:
                 examples.append(fitted)
@@ -574,7 +585,8 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
     kind = config.loss.kind
     spec = steps.LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind,
                           beta=config.loss.beta, advantage_norm=config.loss.advantage_norm,
-                          nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing)
+                          nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing,
+                          nll_scope=config.loss.get("nll_scope", "reply"))
     common = dict(micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
                   ref_in_step=config.train.ref_logp == "in_step" and spec.needs_ref)
     if kind == "critic":
@@ -582,7 +594,7 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
                                             advantage_norm=config.loss.advantage_norm, **common)
     else:
         train_step = steps.make_policy_step(state, optimizer, mesh, kind=kind, beta=config.loss.beta,
-                                            nll_coef=config.loss.nll_coef,
+                                            nll_coef=config.loss.nll_coef, nll_scope=spec.nll_scope,
                                             label_smoothing=config.loss.label_smoothing, **common)
     eval_fn = make_eval_fn(config, state, mesh, spec)
 

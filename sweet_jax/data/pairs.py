@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sweet_jax.data.render import (OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, fit_all, render_trajectory,
-                                   reply_from_tokens)
+from sweet_jax.data.render import (OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, fit_all, render_official_text,
+                                   render_trajectory, reply_from_tokens)
 from sweet_jax.data.schema import DataError, Trajectory
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,18 @@ def rft_examples(trajectories: Sequence[Trajectory], *, success_reward: float = 
 class RenderOptions:
     """How trajectories become token sequences (shared by critic, MT-DPO and RFT)."""
     max_len: int | None = None
-    overflow: str = "truncate"  # or "drop"
+    overflow: str = "truncate"  # "truncate" | "drop" | "cut_right" (the official trainer's)
     info_template: str = OFFICIAL_INFO_TEMPLATE
     info_placement: str = "system"  # "system" | "first_user" | "raw_prefix"
     use_prerendered: bool = True
+    mask_style: str = "turns"  # "turns" | "official" (render.render_official_text)
+
+    def render(self, tokenizer, trajectory: Trajectory, *, with_info: bool) -> Rendered:
+        # The official mask is found after the cut (as the fork does), so cut_right happens while rendering.
+        cut = self.max_len if self.mask_style == "official" and self.overflow == "cut_right" else None
+        return render_trajectory(tokenizer, trajectory, with_info=with_info, info_template=self.info_template,
+                                 info_placement=self.info_placement, use_prerendered=self.use_prerendered,
+                                 mask_style=self.mask_style, max_len=cut)
 
 
 def pair_examples(tokenizer, pairs: Sequence[TrajectoryPair], *, with_info: bool,
@@ -109,9 +117,7 @@ def pair_examples(tokenizer, pairs: Sequence[TrajectoryPair], *, with_info: bool
 
     def render(t: Trajectory) -> Rendered:
         if id(t) not in cache:
-            cache[id(t)] = render_trajectory(tokenizer, t, with_info=with_info, info_template=options.info_template,
-                                             info_placement=options.info_placement,
-                                             use_prerendered=options.use_prerendered)
+            cache[id(t)] = options.render(tokenizer, t, with_info=with_info)
         return cache[id(t)]
 
     out = Examples()
@@ -128,8 +134,7 @@ def sft_examples(tokenizer, trajectories: Sequence[Trajectory], *, options: Rend
     stats = LengthStats()
     out = Examples()
     for i, t in enumerate(_progress(trajectories, progress, "rendering trajectories")):
-        r = render_trajectory(tokenizer, t, with_info=False, info_template=options.info_template,
-                              info_placement=options.info_placement, use_prerendered=options.use_prerendered)
+        r = options.render(tokenizer, t, with_info=False)
         out.append_from(i, fit_all((r,), options.max_len, overflow=options.overflow, stats=stats))
     stats.log("sft examples", options.max_len)
     return out, stats
@@ -157,8 +162,11 @@ class PolicyPairs(list):
         self.skipped_groups = list(skipped_groups)
 
 
+PAIRINGS = ("strict", "official")
+
+
 def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[float]], *, num_pairs: int = 4,
-                 seed: int = 0) -> PolicyPairs:
+                 seed: int = 0, pairing: str = "strict") -> PolicyPairs:
     """Step-level preference pairs: for each group (one turn prefix) of N scored candidates, chosen uniformly
     from the top half by score, rejected uniformly from the bottom half, num_pairs per group.
 
@@ -167,7 +175,14 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
     candidate scores strictly higher, so ties straddling the halves never pair; pairs are drawn uniformly
     without replacement from the valid (top, bottom) combinations, all of them if fewer than num_pairs.
     Groups with no valid pair are skipped and listed in `.skipped_groups`. Deterministic in (seed, group).
+
+    pairing="official" (the official pair script's rule): num_pairs draws *with replacement*, each a chosen
+    uniformly from the top half and a rejected uniformly from the bottom half (halves by descending score,
+    ties in input order), ties between them allowed. The draws follow that rule from our own seeded stream,
+    not the official script's random numbers.
     """
+    if pairing not in PAIRINGS:
+        raise DataError(f"policy_pairs: pairing must be one of {PAIRINGS}, got {pairing!r}")
     if num_pairs < 1:
         raise DataError(f"policy_pairs: num_pairs must be >= 1, got {num_pairs}")
     if len(candidates) != len(scores):
@@ -184,6 +199,12 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
         half = n // 2
         if half == 0:
             skipped.append(g)
+            continue
+        if pairing == "official":
+            order = np.argsort(-sc, kind="stable")
+            top, bottom = order[:half], order[n - half:]
+            for i, j in zip(rng.choice(top, size=num_pairs), rng.choice(bottom, size=num_pairs)):
+                out.append(PolicyPair(g, int(i), int(j), cands[i], cands[j], float(sc[i]), float(sc[j])))
             continue
         tiebreak = rng.permutation(n)
         order = tiebreak[np.argsort(-sc[tiebreak], kind="stable")]
@@ -217,6 +238,28 @@ def policy_pair_examples(prompts: Sequence[Rendered], pairs: Sequence[PolicyPair
                                    max_len, overflow=overflow, stats=stats))
     stats.log("policy pair examples", max_len)
     return out, stats
+
+
+def is_official_pair_row(row: dict) -> bool:
+    """A row of an official pairs file: `chosen` and `rejected` are whole templated strings (prompt + reply
+    [+ eos]) and there is no `prompt_text` (sweet_jax.rank's rows keep the prompt apart)."""
+    return isinstance(row.get("chosen"), str) and isinstance(row.get("rejected"), str) and "prompt_text" not in row
+
+
+def official_pair_sequences(tokenizer, row: dict, *, label: str = "last", max_len: int | None = None,
+                            overflow: str = "truncate", where: str = "") -> tuple[Rendered, Rendered]:
+    """(chosen, rejected) of an official pairs row, tokenized and masked as the fork does
+    (render.render_official_text): label="last" marks the reply after the last assistant header (the policy's
+    step-level pairs; DPO's log-probs are summed there, the prompt being the same on both sides), "all" every
+    reply (the critic's ground-truth preference files). overflow="cut_right" cuts before masking, as the fork."""
+    from sweet_jax.data.render import RenderError
+
+    cut = max_len if overflow == "cut_right" else None
+    try:
+        return tuple(render_official_text(tokenizer, row[side], max_len=cut, label=label)
+                     for side in ("chosen", "rejected"))
+    except RenderError as e:
+        raise DataError(str(e), where=where, field="chosen/rejected") from None
 
 
 def _progress(items, enabled: bool, desc: str):

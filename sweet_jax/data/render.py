@@ -16,8 +16,16 @@ Official pre-rendered turns (assistant `input`/`output` strings) are used verbat
 assistant turn's `input` + `output` + the template's end-of-turn; their info always goes as "raw_prefix".
 
 Length policy (`fit_length`): a sequence over max_len either loses its earliest whole turns after the task
-statement (reply k and the user message after it; the info, the task statement and the last turns stay), or
-is dropped; `LengthStats` counts both and is logged by the callers.
+statement (reply k and the user message after it; the info, the task statement and the last turns stay), is
+dropped, or (`cut_right`, the official trainer's) is cut after max_len tokens with its last token replaced by
+eos; `LengthStats` counts all three and is logged by the callers.
+
+Mask styles (`MASK_STYLES`): "turns" (default) labels each reply's text tokens and its end-of-turn token, as
+above. "official" is the OpenRLHF fork's critic mask, built by `render_official_text` from the one string the
+official code trains on (info + the last turn's `input` + `output`): the string loses trailing newlines and
+gains " " + eos unless it ends with eos, and every token from right after each assistant header
+(`<|start_header_id|>assistant<|end_header_id|>`, so the "\n\n" the template puts there is labelled) up to and
+including the next eos is labelled.
 """
 from __future__ import annotations
 
@@ -36,6 +44,10 @@ log = logging.getLogger(__name__)
 OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
 OUTPUT_MARKER = "OUTPUT:"  # ColBench: an agent reply's text after this marker is what enters the dialogue
 INFO_PLACEMENTS = ("system", "first_user", "raw_prefix")
+MASK_STYLES = ("turns", "official")
+OVERFLOWS = ("truncate", "drop", "cut_right")
+# The fork's --response_template for Llama 3: labels start right after it.
+RESPONSE_TEMPLATE = "<|start_header_id|>assistant<|end_header_id|>"
 
 
 class RenderError(SweetJaxError):
@@ -48,6 +60,7 @@ class Rendered:
     input_ids: np.ndarray
     turn_ids: np.ndarray
     reply_starts: tuple[int, ...] = ()  # token index where each assistant reply begins (labelled or not)
+    eos_id: int | None = None  # the tokenizer's eos: what overflow="cut_right" writes over the last token
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -65,6 +78,7 @@ class LengthStats:
     truncated: int = 0
     dropped: int = 0
     turns_dropped: int = 0
+    tokens_cut: int = 0  # overflow="cut_right": tokens cut off the right end
 
     def add(self, other: "LengthStats") -> "LengthStats":
         for f in dataclasses.fields(self):
@@ -73,8 +87,9 @@ class LengthStats:
 
     def log(self, what: str = "sequences", max_len: int | None = None) -> None:
         level = logging.WARNING if self.truncated or self.dropped else logging.INFO
-        log.log(level, "%s: %d in, %d kept (%d truncated by dropping %d early turns), %d dropped as longer than "
-                "max_len=%s", what, self.total, self.kept, self.truncated, self.turns_dropped, self.dropped, max_len)
+        log.log(level, "%s: %d in, %d kept (%d truncated by dropping %d early turns or cutting %d tokens off the "
+                "right), %d dropped as longer than max_len=%s", what, self.total, self.kept, self.truncated,
+                self.turns_dropped, self.tokens_cut, self.dropped, max_len)
 
 
 def info_text(ground_truth: str, template: str = OFFICIAL_INFO_TEMPLATE) -> str:
@@ -164,7 +179,7 @@ def _spans_to_rendered(tokenizer, text: str, spans: Sequence[tuple[int, int, int
             if decoded.strip() != text[a:b].strip():
                 raise RenderError(f"reply {k}: decoding its tokens gives {decoded[:80]!r}, not the reply text "
                                   f"{text[a:b][:80]!r}")
-    return Rendered(ids, turn_ids, tuple(reply_starts))
+    return Rendered(ids, turn_ids, tuple(reply_starts), tokenizer.eos_token_id)
 
 
 def render_dialogue(tokenizer, messages: Sequence[dict], *, info: str | None = None,
@@ -251,13 +266,83 @@ def render_prerendered(tokenizer, turns: Sequence[Turn], *, info: str | None = N
 
 def render_trajectory(tokenizer, trajectory: Trajectory, *, with_info: bool = False,
                       info_template: str = OFFICIAL_INFO_TEMPLATE, info_placement: str = "system",
-                      use_prerendered: bool = True) -> Rendered:
-    """A trajectory with every reply labelled; with_info adds the task's ground truth (critic's c)."""
+                      use_prerendered: bool = True, mask_style: str = "turns",
+                      max_len: int | None = None) -> Rendered:
+    """A trajectory with every reply labelled; with_info adds the task's ground truth (critic's c).
+
+    mask_style="official": the fork's sequence and mask (render_official_text) over `official_text`; max_len
+    then cuts it from the right before the mask is found, as the fork does (otherwise max_len is unused here:
+    the length policy runs later, in fit_length)."""
     info = trajectory.task.ground_truth if with_info else None
+    if mask_style == "official":
+        return render_official_text(tokenizer, official_text(tokenizer, trajectory, info=info,
+                                                             info_template=info_template), max_len=max_len)
+    if mask_style != "turns":
+        raise RenderError(f"mask_style must be one of {MASK_STYLES}, got {mask_style!r}")
     if use_prerendered and trajectory.prerendered:
         return render_prerendered(tokenizer, trajectory.dialogue_history, info=info, info_template=info_template)
     return render_dialogue(tokenizer, trajectory.messages(), info=info, info_template=info_template,
                            info_placement=info_placement)
+
+
+def official_text(tokenizer, trajectory: Trajectory, *, info: str | None = None,
+                  info_template: str = OFFICIAL_INFO_TEMPLATE) -> str:
+    """The one string the official code trains the critic on: info (raw prefix) + the last assistant turn's
+    `input` + `output`. A message-form trajectory gets the same shape from the chat template: the dialogue
+    before the last reply with the generation header, then the reply."""
+    prefix = info_text(info, info_template) if info is not None else ""
+    if trajectory.prerendered:
+        last = [t for t in trajectory.dialogue_history if t.role == "assistant"][-1]
+        return prefix + last.input + last.output
+    messages = trajectory.messages()
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise RenderError("the dialogue has no assistant reply to label")
+    return prefix + _template(tokenizer, messages[:last], add_generation_prompt=True) + messages[last]["content"]
+
+
+def render_official_text(tokenizer, text: str, *, max_len: int | None = None,
+                         response_template: str = RESPONSE_TEMPLATE, label: str = "all") -> Rendered:
+    """One string as the OpenRLHF fork's reward/DPO dataset tokenizes and masks it.
+
+    The string loses its trailing newlines and gains " " + eos unless it already ends with eos; it is tokenized
+    without added special tokens (the templated text carries its own), cut after max_len tokens, and its last
+    token set to eos (so a cut sequence still ends with eos). Labels: every token from right after an
+    occurrence of response_template's tokens up to and including the first eos after it; occurrence k gets
+    turn id k ("all") or only the last one gets 1 ("last"). An occurrence with no token after it (the cut
+    fell inside the header) labels nothing.
+    """
+    if label not in ("all", "last"):
+        raise RenderError(f"label must be 'all' or 'last', got {label!r}")
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if eos is None or eos_id is None:
+        raise RenderError("mask_style='official' needs a tokenizer with an eos_token")
+    text = text.rstrip("\n")
+    if not text.endswith(eos):
+        text += " " + eos
+    ids, _ = _tokenize(tokenizer, text)
+    if max_len is not None and len(ids) > max_len:
+        ids = ids[:max_len]
+    ids = ids.copy()
+    ids[-1] = eos_id
+    header, _ = _tokenize(tokenizer, response_template)
+    h = len(header)
+    if h == 0:
+        raise RenderError(f"response_template {response_template!r} tokenizes to nothing")
+    spans = []
+    for p in np.flatnonzero(ids == header[0]):
+        start = int(p) + h
+        if start >= len(ids) or not np.array_equal(ids[p:start], header):
+            continue
+        end = start + int(np.argmax(ids[start:] == eos_id))  # the last token is eos: always found
+        spans.append((start, end))
+    if not spans:
+        raise RenderError(f"no assistant header {response_template!r} in the text: nothing to label")
+    turn_ids = np.zeros(len(ids), np.int32)
+    labelled = spans if label == "all" else spans[-1:]
+    for k, (start, end) in enumerate(labelled, start=1):
+        turn_ids[start:end + 1] = k
+    return Rendered(ids, turn_ids, tuple(start for start, _ in spans), int(eos_id))
 
 
 def render_prompt(tokenizer, messages: Sequence[dict], *, info: str | None = None,
@@ -274,7 +359,7 @@ def render_prompt(tokenizer, messages: Sequence[dict], *, info: str | None = Non
         # The dialogue without the generation header renders as a prefix of the prompt: same reply starts.
         starts = render_dialogue(tokenizer, messages, info=info, info_template=info_template,
                                  info_placement=info_placement).reply_starts
-    return Rendered(ids, np.zeros_like(ids), starts)
+    return Rendered(ids, np.zeros_like(ids), starts, tokenizer.eos_token_id)
 
 
 def reply_from_tokens(prompt, reply_ids) -> Rendered:
@@ -284,27 +369,37 @@ def reply_from_tokens(prompt, reply_ids) -> Rendered:
     when the sampler stopped on it (so the model learns to stop).
     """
     starts = prompt.reply_starts if isinstance(prompt, Rendered) else ()
+    eos_id = prompt.eos_id if isinstance(prompt, Rendered) else None
     prompt_ids = np.asarray(prompt.input_ids if isinstance(prompt, Rendered) else prompt, np.int32)
     reply_ids = np.asarray(reply_ids, np.int32).reshape(-1)
     if reply_ids.size == 0:
         raise RenderError("empty reply: a candidate needs at least one token")
     return Rendered(np.concatenate([prompt_ids, reply_ids]),
                     np.concatenate([np.zeros_like(prompt_ids), np.ones_like(reply_ids)]),
-                    tuple(starts) + (len(prompt_ids),))
+                    tuple(starts) + (len(prompt_ids),), eos_id)
 
 
 def fit_length(rendered: Rendered, max_len: int | None, *, overflow: str = "truncate") -> tuple[Rendered | None, int]:
-    """Apply the length policy: (sequence or None if dropped, number of early turns dropped).
+    """Apply the length policy: (sequence or None if dropped, number of early turns dropped, or of tokens cut).
 
     overflow="truncate" drops the earliest whole turns after the task statement (reply j and the user message
     after it; tokens [start of reply 1, start of reply j+1) are cut, so the first header is reused) until the
     sequence fits, keeping at least the last reply; if even that does not fit the sequence is dropped.
-    overflow="drop" drops any over-long sequence.
+    overflow="drop" drops any over-long sequence. overflow="cut_right" (the official trainer's) keeps the first
+    max_len tokens and writes eos over the last one; a reply cut short keeps that eos as its end (labelled).
     """
-    if overflow not in ("truncate", "drop"):
-        raise SweetJaxError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
+    if overflow not in OVERFLOWS:
+        raise SweetJaxError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
     if max_len is None or len(rendered) <= max_len:
         return rendered, 0
+    if overflow == "cut_right":
+        if rendered.eos_id is None:
+            raise SweetJaxError("overflow='cut_right' needs the sequence's eos id (render it with sweet_jax.data.render)")
+        ids, turn_ids = rendered.input_ids[:max_len].copy(), rendered.turn_ids[:max_len].copy()
+        ids[-1] = rendered.eos_id  # labelled when the cut falls inside a reply: that reply then ends there
+        starts = tuple(s for s in rendered.reply_starts if s < max_len)
+        return dataclasses.replace(rendered, input_ids=ids, turn_ids=turn_ids, reply_starts=starts), \
+            len(rendered) - max_len
     starts = rendered.reply_starts
     if overflow == "drop" or len(starts) < 2:
         return None, 0
@@ -319,7 +414,7 @@ def fit_length(rendered: Rendered, max_len: int | None, *, overflow: str = "trun
             remap = np.zeros(int(rendered.turn_ids.max(initial=0)) + 1, np.int32)
             remap[labels] = np.arange(1, len(labels) + 1, dtype=np.int32)
             new_starts = (starts[0],) + tuple(s - cut for s in starts[j + 1:])
-            return Rendered(rendered.input_ids[keep], remap[turn_ids], new_starts), j
+            return Rendered(rendered.input_ids[keep], remap[turn_ids], new_starts, rendered.eos_id), j
     return None, 0
 
 
@@ -328,16 +423,19 @@ def fit_all(seqs: Sequence[Rendered], max_len: int | None, *, overflow: str = "t
     """fit_length on the P sequences of one example; the example is dropped if any sequence is."""
     stats = stats if stats is not None else LengthStats()
     stats.total += 1
-    out, dropped_turns = [], 0
+    out, cut = [], 0
     for s in seqs:
         fitted, n = fit_length(s, max_len, overflow=overflow)
         if fitted is None:
             stats.dropped += 1
             return None
         out.append(fitted)
-        dropped_turns += n
+        cut += n
     stats.kept += 1
-    if dropped_turns:
+    if cut:
         stats.truncated += 1
-        stats.turns_dropped += dropped_turns
+        if overflow == "cut_right":
+            stats.tokens_cut += cut
+        else:
+            stats.turns_dropped += cut
     return tuple(out)

@@ -1,0 +1,218 @@
+"""The official recipe, selectable: the fork's critic mask and loss, the whole-sequence NLL, the right cut, official
+pair files. Rows are hand-built in the official layout (task / dialogue_history with `input` + `output`, Llama-3
+headers from the demo tokenizer); each expected value is re-derived here in numpy from the official procedure."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sweet_jax import losses, steps
+from sweet_jax.data import demo, load_tokenizer
+from sweet_jax.data import pairs as pairs_lib
+from sweet_jax.data import render
+from sweet_jax.data.batching import collate
+from sweet_jax.data.schema import Trajectory
+from sweet_jax.models import Llama, LlamaConfig
+
+INFO = "In light that the final answer is: {ground_truth}."
+HEADER = "<|start_header_id|>assistant<|end_header_id|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(demo.paths().tokenizer))
+
+
+def official_trajectory(tok, replies, answers, reward):
+    """A trajectory as the official files hold it: user turns, assistant turns with the templated `input` the
+    agent saw and its raw `output`."""
+    task = {"problem_description": "Write f(a, b) for me.", "ground_truth": "def f(a, b):\n    return a + b",
+            "test_cases": {"t1": "f(1, 2)"}}
+    messages, history = [{"role": "user", "content": task["problem_description"]}], []
+    history.append(dict(messages[0]))
+    for reply, answer in zip(replies, answers):
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        history.append({"role": "assistant", "content": reply, "input": prompt, "output": reply})
+        messages.append({"role": "assistant", "content": reply})
+        if answer is not None:
+            history.append({"role": "user", "content": answer})
+            messages.append({"role": "user", "content": answer})
+    return Trajectory.from_json({"task": task, "dialogue_history": history, "answer": replies[-1],
+                                 "reward": reward})
+
+
+def np_official_sequence(tok, text, max_len=None):
+    """The fork's RewardDataset item, step by step: strip newlines, append ' ' + eos, tokenize, cut from the
+    right, force eos last; the mask runs from after each assistant header to the next eos (inclusive)."""
+    text = text.rstrip("\n")
+    if not text.endswith(tok.eos_token):
+        text += " " + tok.eos_token
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    if max_len is not None:
+        ids = ids[:max_len]
+    ids[-1] = tok.eos_token_id
+    header = list(tok(HEADER, add_special_tokens=False)["input_ids"])
+    mask = [0] * len(ids)
+    for i in range(len(ids)):
+        if ids[i:i + len(header)] == header:
+            j = i + len(header)
+            while ids[j] != tok.eos_token_id:
+                j += 1
+            for k in range(i + len(header), j + 1):
+                mask[k] = 1
+    return np.array(ids), np.array(mask)
+
+
+@nnx.jit
+def _logits(model, ids_BT):
+    return model(ids_BT, jax.numpy.ones_like(ids_BT))
+
+
+def np_logps(model, ids):
+    padded = np.zeros((1, 256), np.int32)  # one compiled length; right padding leaves a causal model's logits be
+    padded[0, :len(ids)] = ids
+    logits = np.asarray(_logits(model, padded)[0, :len(ids)], np.float64)
+    logits = logits - logits.max(-1, keepdims=True)
+    logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return logsm[np.arange(len(ids) - 1), ids[1:]]  # [T-1]: the log-prob of token t+1
+
+
+def models(tok):
+    cfg = LlamaConfig.tiny(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    return Llama(cfg, rngs=nnx.Rngs(0)), Llama(cfg, rngs=nnx.Rngs(1))
+
+
+def loss_of(spec, policy, reference, examples):
+    T = max(len(s) for ex in examples for s in ex)
+    batch = collate(examples, length=T, pad_id=0)
+    graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
+    _, ref_params, _ = nnx.split(reference, nnx.Param, ...)
+    batch = jax.tree.map(np.asarray, batch)
+    fn = jax.jit(lambda p, b, r: steps.pair_loss(spec, graphdef, p, rest, b, r, spec.denominator(b)))
+    loss, metrics = fn(params, batch, ref_params)
+    return float(loss), jax.device_get(metrics)
+
+
+def test_official_mask_labels_the_header_newlines_and_ends_with_space_eos(tok):
+    traj = official_trajectory(tok, ["What should f return?", "I WANT TO ANSWER: def f(a, b): return a + b"],
+                               ["The sum.", None], 1.0)
+    seq = render.render_trajectory(tok, traj, with_info=True, info_template=INFO, mask_style="official")
+    turns = render.render_trajectory(tok, traj, with_info=True, info_template=INFO)
+    # Reply 1: "\n\n" + text + <|eot_id|>; the last reply: "\n\n" + text + " " + <|eot_id|>.
+    first = tok.decode(seq.input_ids[seq.turn_ids == 1].tolist())
+    last = tok.decode(seq.input_ids[seq.turn_ids == 2].tolist())
+    assert first == "\n\nWhat should f return?<|eot_id|>"
+    assert last == "\n\nI WANT TO ANSWER: def f(a, b): return a + b <|eot_id|>"
+    assert seq.input_ids[-1] == tok.eos_token_id
+    newline_tokens = 2 * len(tok("\n\n", add_special_tokens=False)["input_ids"])
+    assert np.count_nonzero(seq.turn_ids) == np.count_nonzero(turns.turn_ids) + newline_tokens + 1  # + " "
+    ids, mask = np_official_sequence(tok, INFO.format(ground_truth=traj.task.ground_truth)
+                                     + traj.dialogue_history[-1].input + traj.dialogue_history[-1].output)
+    np.testing.assert_array_equal(seq.input_ids, ids)
+    np.testing.assert_array_equal(seq.turn_ids > 0, mask > 0)
+
+
+def test_official_critic_loss_equals_numpy_rederivation_of_the_fork(tok):
+    policy, reference = models(tok)
+    best = official_trajectory(tok, ["Which numbers?", "I WANT TO ANSWER: def f(a, b): return a + b"],
+                               ["Two ints.", None], 1.0)
+    worse = official_trajectory(tok, ["Hi", "What type?", "I WANT TO ANSWER: def f(a, b): return a * b"],
+                                ["Hello.", "Ints.", None], 0.0)
+    bad = official_trajectory(tok, ["I WANT TO ANSWER: def f(a, b): return a"], [None], 0.0)
+    listed = pairs_lib.critic_pairs([best, worse, bad])
+    options = pairs_lib.RenderOptions(info_template=INFO, mask_style="official")
+    examples, _ = pairs_lib.pair_examples(tok, listed, with_info=True, options=options)
+    spec = steps.LossSpec("critic", beta=0.1, advantage_norm="trajectory_mean")
+    loss, metrics = loss_of(spec, policy, reference, list(examples))
+
+    def score(traj):  # the fork with --mean_log_prob: mean over the mask of log pi - log pi_ref
+        last = traj.dialogue_history[-1]
+        ids, mask = np_official_sequence(tok, INFO.format(ground_truth=traj.task.ground_truth)
+                                         + last.input + last.output)
+        m = mask[1:]
+        return ((np_logps(policy, ids) * m).sum() - (np_logps(reference, ids) * m).sum()) / m.sum()
+
+    margins = [score(best) - score(t) for t in (worse, bad)]
+    expected = np.mean([np.logaddexp(0.0, -0.1 * m) for m in margins])  # -log sigmoid(beta * margin)
+    assert len(examples) == 2
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    np.testing.assert_allclose(metrics["margin"], np.mean(margins), rtol=1e-4)
+
+
+def official_pair_row(tok, traj_chosen, traj_rejected):
+    """A row of the official step-level pairs file: whole strings, prompt + reply + eos."""
+    c, r = traj_chosen.dialogue_history[-1], traj_rejected.dialogue_history[-1]
+    return {"chosen": c.input + c.output + tok.eos_token, "rejected": r.input + r.output + tok.eos_token}
+
+
+def test_policy_loss_with_sequence_nll_equals_numpy_rederivation(tok):
+    policy, reference = models(tok)
+    rows = [official_pair_row(tok, official_trajectory(tok, ["Ask: which inputs?"], [None], 1.0),
+                              official_trajectory(tok, ["I WANT TO ANSWER: pass"], [None], 0.0)),
+            official_pair_row(tok, official_trajectory(tok, ["Hi", "What type?"], ["Hello.", None], 1.0),
+                              official_trajectory(tok, ["Hi", "Bye"], ["Hello.", None], 0.0))]
+    examples = [pairs_lib.official_pair_sequences(tok, r) for r in rows]
+    spec = steps.LossSpec("dpo", beta=0.1, nll_coef=0.01, nll_scope="sequence")
+    loss, metrics = loss_of(spec, policy, reference, examples)
+
+    per_pair, nlls = [], []
+    for r in rows:  # the fork without a response template: every token after the first is scored
+        ids_c, _ = np_official_sequence(tok, r["chosen"])
+        ids_r, _ = np_official_sequence(tok, r["rejected"])
+        lc, lr = np_logps(policy, ids_c), np_logps(policy, ids_r)
+        h = 0.1 * ((lc.sum() - np_logps(reference, ids_c).sum()) - (lr.sum() - np_logps(reference, ids_r).sum()))
+        nlls.append(-lc.mean())
+        per_pair.append(np.logaddexp(0.0, -h) + 0.01 * nlls[-1])
+    np.testing.assert_allclose(loss, np.mean(per_pair), rtol=1e-4)
+    np.testing.assert_allclose(metrics["nll"], np.mean(nlls), rtol=1e-5)
+    reply_only, _ = loss_of(steps.LossSpec("dpo", beta=0.1, nll_coef=0.01), policy, reference, examples)
+    assert abs(reply_only - loss) > 1e-4  # the default (reply-only NLL) is a different number
+
+
+def test_sequence_nll_skips_padding_and_each_rows_first_token():
+    logp = np.log(np.array([[0.5, 0.25, 0.5, 0.9], [0.9, 0.9, 0.5, 0.25]], np.float32))
+    mask = np.array([[1, 1, 1, 0], [0, 1, 1, 1]], np.int32)  # right- and left-padded
+    expected = [-(np.log(0.25) + np.log(0.5)) / 2, -(np.log(0.5) + np.log(0.25)) / 2]
+    np.testing.assert_allclose(losses.sequence_nll(logp, mask), expected, rtol=1e-6)
+
+
+def test_cut_right_keeps_max_len_tokens_ends_with_eos_and_masks_after_the_cut(tok):
+    traj = official_trajectory(tok, ["What should f return exactly?", "I WANT TO ANSWER: def f(a, b): return a"],
+                               ["The sum of the two.", None], 1.0)
+    text = render.official_text(tok, traj)
+    full, _ = np_official_sequence(tok, text)
+    max_len = len(full) - 5  # inside the last reply
+    seq = render.render_trajectory(tok, traj, mask_style="official", max_len=max_len)
+    ids, mask = np_official_sequence(tok, text, max_len=max_len)
+    assert len(seq) == max_len and seq.input_ids[-1] == tok.eos_token_id
+    np.testing.assert_array_equal(seq.input_ids, ids)
+    np.testing.assert_array_equal(seq.turn_ids > 0, mask > 0)
+    # The same policy on the default mask: the cut reply ends at the forced eos, which stays labelled.
+    turns = render.render_trajectory(tok, traj)
+    fitted, cut = render.fit_length(turns, len(turns) - 3, overflow="cut_right")
+    assert cut == 3 and fitted.input_ids[-1] == tok.eos_token_id and fitted.turn_ids[-1] == 2
+    np.testing.assert_array_equal(fitted.input_ids[:-1], turns.input_ids[:len(turns) - 4])
+
+
+def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
+    from configs import policy as policy_configs
+    from sweet_jax import train
+
+    rows = [official_pair_row(tok, official_trajectory(tok, [f"Question {i}?"], [None], 1.0),
+                              official_trajectory(tok, [f"I WANT TO ANSWER: {i}"], [None], 0.0)) for i in range(6)]
+    path = tmp_path / "random_pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = policy_configs.get_config("demo_official")
+    with config.unlocked():
+        config.data.pairs = str(path)
+        config.data.eval_fraction = 0.0
+    train_set, _ = train.build_datasets(config, tok)
+    assert len(train_set) == 6
+    chosen, rejected = train_set.examples[0]
+    ids, _ = np_official_sequence(tok, rows[0]["chosen"])
+    np.testing.assert_array_equal(chosen.input_ids, ids)
+    assert tok.decode(chosen.input_ids[chosen.turn_ids > 0].tolist()) == "\n\nQuestion 0?<|eot_id|>"
+    assert tok.decode(rejected.input_ids[rejected.turn_ids > 0].tolist()) == "\n\nI WANT TO ANSWER: 0<|eot_id|>"
