@@ -15,7 +15,7 @@ import pathlib
 import re
 import shutil
 import warnings
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -206,8 +206,27 @@ def _read_safetensors_header(file: pathlib.Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+class TensorSource(Protocol):
+    """Tensors under their HF names, in HF layout, read one at a time: what the import loop reads from.
+    Safetensors files are one source; a GGUF file (sweet_jax.models.gguf) is another."""
+
+    config_name: str  # where the config came from, for error messages: 'config.json', 'the GGUF metadata'
+
+    def names(self) -> Iterable[str]: ...
+
+    def shape(self, name: str) -> tuple: ...
+
+    def read(self, name: str) -> np.ndarray: ...
+
+    def where(self, name: str) -> str:
+        """The tensor as the user would find it, e.g. 'model-00001-of-00002.safetensors: tensor "lm_head.weight"'."""
+        ...
+
+
 class _SafetensorsDir:
     """The tensors of a checkpoint directory, each read on demand with one file read."""
+
+    config_name = "config.json"
 
     def __init__(self, path: pathlib.Path):
         index_file = path / "model.safetensors.index.json"
@@ -228,8 +247,14 @@ class _SafetensorsDir:
             for tensor, info in header.items():
                 self.entries[tensor] = (file, info, data_start)
 
+    def names(self) -> Iterable[str]:
+        return self.entries.keys()
+
     def shape(self, name: str) -> tuple:
         return tuple(self.entries[name][1]["shape"])
+
+    def where(self, name: str) -> str:
+        return f"{self.entries[name][0]}: tensor {name!r}"
 
     def read(self, name: str) -> np.ndarray:
         file, info, data_start = self.entries[name]
@@ -256,36 +281,41 @@ def load_hf(path, *, dtype=None, mesh=None, config_overrides=None) -> Llama:
     sweet_jax.sharding.LOGICAL_RULES) as it is read; without a mesh, onto the default device.
     config_overrides: LlamaConfig fields to set, e.g. {'dtype': 'bfloat16', 'remat': 'full'}.
     """
-    from sweet_jax import sharding as sharding_lib  # sharding is not a dependency of the model file
-
     path = pathlib.Path(path)
     hf = read_hf_config(path)
     overrides = dict(config_overrides or {})
     overrides["param_dtype"] = np.dtype(dtype or overrides.get("param_dtype", "float32")).name
     config = LlamaConfig.from_hf(hf, **overrides)
-    tensors = _SafetensorsDir(path)
+    return load_params(config, _SafetensorsDir(path), where=path, mesh=mesh)
+
+
+def load_params(config: LlamaConfig, tensors: TensorSource, *, where, mesh=None) -> Llama:
+    """A Llama of `config` whose every parameter is read from `tensors` through NAME_TABLE, one tensor at a time,
+    each device receiving only its own slice (per sweet_jax.sharding.LOGICAL_RULES when `mesh` is given).
+    `where` names the checkpoint in messages."""
+    from sweet_jax import sharding as sharding_lib  # sharding is not a dependency of the model file
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     param_dtype = np.dtype(config.param_dtype)
 
+    available = set(tensors.names())
     used = set()
     stacks = {}  # id(stacked variable) -> its device array being filled layer by layer
     entries = _tensor_entries(state, config)
-    for module_path, hf_name, transform, var, layer, shape in tqdm(entries, desc=f"load_hf {path.name}",
+    for module_path, hf_name, transform, var, layer, shape in tqdm(entries, desc=f"load {pathlib.Path(where).name}",
                                                                    unit="tensor", leave=False):
-        if hf_name not in tensors.entries:
+        if hf_name not in available:
             raise MissingTensorError(
-                f"{path}: tensor {hf_name!r} (for {module_path}) is in no safetensors file, but config.json "
+                f"{where}: tensor {hf_name!r} (for {module_path}) is missing, but {tensors.config_name} "
                 f"needs it (tie_word_embeddings={config.tie_word_embeddings}, "
                 f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}).")
-        file = tensors.entries[hf_name][0]
         expected = transform.hf_shape(shape)
         if tensors.shape(hf_name) != expected:
             raise TensorShapeError(
-                f"{file}: tensor {hf_name!r} has shape {list(tensors.shape(hf_name))}, but config.json implies "
-                f"{list(expected)}. Check that config.json belongs to these weights.")
+                f"{tensors.where(hf_name)} has shape {list(tensors.shape(hf_name))}, but {tensors.config_name} "
+                f"implies {list(expected)}. Check that {tensors.config_name} belongs to these weights.")
         used.add(hf_name)
         hf_array = tensors.read(hf_name)
         ours = transform.to_nnx(hf_array, shape)  # a view: each device copies only its slice below
@@ -308,9 +338,9 @@ def load_hf(path, *, dtype=None, mesh=None, config_overrides=None) -> Llama:
                 var.set_value(stacks.pop(id(var)))
         del hf_array, ours
 
-    unused = [n for n in tensors.entries if n not in used and not IGNORED_HF_TENSORS.match(n)]
+    unused = [n for n in available if n not in used and not IGNORED_HF_TENSORS.match(n)]
     if unused and not (config.tie_word_embeddings and unused == ["lm_head.weight"]):
-        warnings.warn(f"{path}: {len(unused)} tensors were not used, e.g. {unused[:3]}.")
+        warnings.warn(f"{where}: {len(unused)} tensors were not used, e.g. {sorted(unused)[:3]}.")
     return nnx.merge(graphdef, state)
 
 
