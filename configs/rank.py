@@ -10,7 +10,11 @@ Presets:
   llama3_8b  the paper: Llama-3.1-8B-Instruct policy and reference (--config.policy.path), the trained
              critic exported as an HF directory (--config.critic.path), the offline trajectories
              (--config.trajectories), 16 candidates at temperature 1.0 of up to 1024 tokens, 4 pairs a turn.
-  official   llama3_8b ranked as the official code does (rank_reference='sampler').
+  official   llama3_8b ranked as the official scripts do (README, "Coming from the official code"): the sampler's
+             mean log-prob as the reference (rank_reference=sampler), the critic's score over its official
+             sequence (score_style=official: a second BOS, c as a raw prefix, the reply's 4 header tokens + the
+             reply, no end-of-turn) at temperature 0.5, pairs drawn with replacement from the two halves, ties
+             allowed (pairing=official), seed 42.
 """
 import ml_collections
 
@@ -38,6 +42,9 @@ def get_config(preset: str = "demo"):
     c.reference.path = ""         # pi_ref (HF directory); '' = the policy model itself
 
     c.rank_reference = "ref_with_info"  # ref_with_info (paper) | sampler (official code)
+    c.score_style = "reply"       # reply (the reply's tokens + end-of-turn) | official (data.render.render_official_score)
+    c.critic_temperature = 1.0    # scoring log-probs (critic, and pi_ref) are log softmax(logits / this); official 0.5
+    c.pairing = "strict"          # strict (chosen scores higher, no repeats) | official (with replacement, ties allowed)
     c.num_candidates = 16
     c.num_pairs = 4
     c.temperature = 1.0
@@ -73,6 +80,11 @@ def get_config(preset: str = "demo"):
         c.output = "runs/rank_8b/pairs.jsonl"
         if preset == "official":
             c.rank_reference = "sampler"
+            c.score_style = "official"
+            c.critic_temperature = 0.5
+            c.pairing = "official"
+            c.info_placement = "raw_prefix"
+            c.seed = 42
     else:
         raise ValueError(f"unknown rank preset {preset!r}: use demo, llama3_8b or official (as configs/rank.py:demo)")
     return c

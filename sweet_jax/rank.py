@@ -120,11 +120,17 @@ def sample_candidates(sampler, prompts: Sequence[TurnPrompt], *, n: int, max_new
 # ----------------------------------------------------------------------------------------------------------
 
 def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template: str, info_placement: str,
-                    use_info: bool = True):
-    """The sequence the critic reads for (c, o_t, a): the reply's tokens carry turn id 1, all others 0."""
+                    use_info: bool = True, style: str = "reply"):
+    """The sequence the critic reads for (c, o_t, a): the reply's tokens carry turn id 1, all others 0.
+    style="official": the official ranking script's sequence (data.render.render_official_score: a second BOS,
+    c as a raw prefix, the reply's header tokens scored with the reply, no end-of-turn)."""
     from sweet_jax.data import render
 
     info = prompt.ground_truth if use_info else None
+    if style == "official":
+        text = prompt.input_text if prompt.input_text is not None else tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=False)
+        return render.render_official_score(tokenizer, text, reply, info=info, info_template=info_template)
     if prompt.input_text is not None and all(t.input is not None and t.output is not None
                                              for t in prompt.turns if t.role == "assistant"):
         from sweet_jax.data.schema import Turn
@@ -136,7 +142,7 @@ def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template:
                                   info_placement=info_placement, label="last")
 
 
-def make_mean_logp_fn(model):
+def make_mean_logp_fn(model, temperature: float = 1.0):
     """(input_ids [B,T], attention_mask [B,T], turn_ids [B,T]) -> [B] mean log-prob of each row's turn-id-1
     tokens: the critic score step (steps.make_score_step, turn_mean) with a zero reference, so the
     reference term (pi_ref with c, or the sampler's) is subtracted outside and either kind plugs in."""
@@ -145,7 +151,8 @@ def make_mean_logp_fn(model):
     from sweet_jax import steps
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    score = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest)
+    score = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest,
+                                  temperature=temperature)
 
     def mean_logp(ids_BT, mask_BT, turns_BT):
         batch = {"input_ids": ids_BT[:, None], "attention_mask": mask_BT[:, None], "turn_ids": turns_BT[:, None],
@@ -159,13 +166,15 @@ class ReplyScorer:
     """items [(TurnPrompt, reply text)] -> [N] mean log-prob of each reply under `model`, seeing c."""
 
     def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
-                 use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192):
+                 use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
+                 style: str = "reply", temperature: float = 1.0):
         from sweet_jax.data.tokenizers import pad_id
 
         self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
         self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
         self.pad = pad_id(tokenizer)
-        self.mean_logp = make_mean_logp_fn(model)
+        self.style = style
+        self.mean_logp = make_mean_logp_fn(model, temperature)
         self.unscorable: list[tuple[tuple[int, int], str]] = []
 
     def __call__(self, items: Sequence[tuple[TurnPrompt, str]]) -> np.ndarray:
@@ -176,7 +185,8 @@ class ReplyScorer:
         for prompt, text in items:
             try:
                 seq = critic_sequence(self.tokenizer, prompt, text, info_template=self.info_template,
-                                      info_placement=self.info_placement, use_info=self.use_info)
+                                      info_placement=self.info_placement, use_info=self.use_info,
+                                      style=self.style)
                 if len(seq) > self.max_len:
                     raise RenderError(f"{len(seq)} tokens > max_len={self.max_len}")
             except RenderError as e:
@@ -222,13 +232,13 @@ def candidate_advantages(prompt: TurnPrompt, candidates: Candidates, critic_logp
 
 
 def turn_pairs(prompt: TurnPrompt, candidates: Candidates, scores: np.ndarray, *, num_pairs: int, seed: int,
-               rank_reference: str) -> list[dict]:
+               rank_reference: str, pairing: str = "strict") -> list[dict]:
     """The pair records of one turn (data.policy_pairs picks the indices)."""
     from sweet_jax.data.pairs import policy_pairs
 
     keep = [i for i, s in enumerate(scores) if np.isfinite(s)]  # unscorable candidates take no part
     picked = policy_pairs([[candidates.texts[i] for i in keep]], [[float(scores[i]) for i in keep]],
-                          num_pairs=num_pairs, seed=_turn_seed(seed, prompt.key))
+                          num_pairs=num_pairs, seed=_turn_seed(seed, prompt.key), pairing=pairing)
     return [{
         "trajectory_index": prompt.trajectory_index, "turn": prompt.turn, "task_key": prompt.task_key,
         "prompt": [dict(m) for m in prompt.messages], "prompt_text": candidates.prompt_text,
@@ -244,7 +254,7 @@ def _turn_seed(seed: int, key: tuple[int, int]) -> int:
 def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[TurnPrompt]], list[Candidates]],
                critic_logp: Callable, reference_logp: Callable | None, out_path, *,
                rank_reference: str = "ref_with_info", num_pairs: int = 4, seed: int = 0,
-               prompts_per_batch: int = 8, progress: bool = True) -> dict:
+               prompts_per_batch: int = 8, progress: bool = True, pairing: str = "strict") -> dict:
     """Sample, score and pair every prompt; append the pairs to out_path per batch; return counts.
 
     sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
@@ -271,7 +281,7 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
         for prompt, candidates in zip(batch, sample_fn(batch)):
             scores = candidate_advantages(prompt, candidates, critic_logp, reference_logp, rank_reference)
             pairs = turn_pairs(prompt, candidates, scores, num_pairs=num_pairs, seed=seed,
-                               rank_reference=rank_reference)
+                               rank_reference=rank_reference, pairing=pairing)
             gaps += [r["chosen_score"] - r["rejected_score"] for r in pairs]
             records += pairs
         append_records(out, records)
@@ -337,7 +347,8 @@ def run(config) -> dict:
         log.info("critic run settings: info_template=%r info_placement=%s use_info=%s", info_template,
                  info_placement, use_info)
     scorer_kw = dict(info_template=info_template, info_placement=info_placement, use_info=use_info,
-                     batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len)
+                     batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
+                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0))
     critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
     reference_logp = None
     if config.rank_reference == "ref_with_info":
@@ -355,7 +366,8 @@ def run(config) -> dict:
 
     result = rank_turns(prompts, sample_fn, critic_logp, reference_logp, config.output,
                         rank_reference=config.rank_reference, num_pairs=config.num_pairs, seed=config.seed,
-                        prompts_per_batch=config.prompts_per_batch, progress=config.progress)
+                        prompts_per_batch=config.prompts_per_batch, progress=config.progress,
+                        pairing=config.get("pairing", "strict"))
     unscorable = critic_logp.unscorable + (reference_logp.unscorable if reference_logp is not None else [])
     if unscorable:
         log.warning("%d candidates could not be scored and were left out; first: turn %s: %s", len(unscorable),

@@ -145,25 +145,29 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *, chunk_size: int,
-                      positions_NS=None):
+                      positions_NS=None, temperature: float = 1.0):
     """Per-token label log-probs [N, T] float32 from the model's hidden states (chunked unembedding); with
-    positions_NS [N, S] (-1 = padding), only at those positions: [N, S] (losses.token_logprobs_at)."""
+    positions_NS [N, S] (-1 = padding), only at those positions: [N, S] (losses.token_logprobs_at).
+    temperature: log softmax(logits / temperature) (the official ranking reads vLLM's at 0.5)."""
     model = nnx.merge(graphdef, params, rest)
     hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
+    unembed = model.unembedding()
+    if temperature != 1.0:
+        unembed = unembed / jnp.asarray(temperature, unembed.dtype)  # logits are linear in the unembedding
     if positions_NS is not None:
-        return losses.token_logprobs_at(hidden_NTD, model.unembedding(), input_ids_NT, positions_NS,
-                                        chunk_size=chunk_size)
-    return losses.token_logprobs(hidden_NTD, model.unembedding(), input_ids_NT, chunk_size=chunk_size)
+        return losses.token_logprobs_at(hidden_NTD, unembed, input_ids_NT, positions_NS, chunk_size=chunk_size)
+    return losses.token_logprobs(hidden_NTD, unembed, input_ids_NT, chunk_size=chunk_size)
 
 
-def _pair_logprobs(graphdef, params, rest, batch, chunk_size):
+def _pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature: float = 1.0):
     """Label log-probs [B, P, T]; with batch['score_pos'] [B, P, S] (the action tokens' positions, -1 = padding,
     from BatchIterator(score_positions=True)), only there: [B, P, S], the unembedding run on S positions."""
     B, P, T = batch["input_ids"].shape
     positions = batch.get("score_pos")
     logp = sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
                              batch["attention_mask"].reshape(B * P, T), chunk_size=chunk_size,
-                             positions_NS=None if positions is None else positions.reshape(B * P, -1))
+                             positions_NS=None if positions is None else positions.reshape(B * P, -1),
+                             temperature=temperature)
     return logp.reshape(B, P, -1)
 
 
@@ -362,21 +366,22 @@ def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, c
 
 def make_score_step(graphdef, params_shardings=None, mesh=None, *, num_turns: int = 1,
                     advantage_norm: str = "turn_mean", rest=None, chunk_size: int = 512,
-                    ref_in_step: bool = False):
+                    ref_in_step: bool = False, temperature: float = 1.0):
     """score(params, batch[, ref_params]) -> per-turn critic advantages [B, P, num_turns] float32.
 
     For ranking policy candidates (P = 1, the reply has turn id 1): A(o_t, a, c) = mean over the reply's
     tokens of log pi_critic - ref. The reference is batch['ref_logp'] (pi_ref with c, or the sampler's
     log-probs: config rank_reference) or, with ref_in_step, the reference params passed as third argument.
+    temperature scales both models' logits (log softmax(logits / temperature)).
     """
     losses._check_norm(advantage_norm)
     rest = nnx.State({}) if rest is None else rest
 
     def fn(params, batch, ref_params=None):
         B, P, T = batch["input_ids"].shape
-        logp = _pair_logprobs(graphdef, params, rest, batch, chunk_size)
+        logp = _pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature)
         ref = batch["ref_logp"] if ref_params is None else _pair_logprobs(graphdef, ref_params, rest, batch,
-                                                                          chunk_size)
+                                                                          chunk_size, temperature)
         adv = losses.turn_advantages(logp.reshape(B * P, T), ref.reshape(B * P, T),
                                      batch["turn_ids"].reshape(B * P, T), num_turns=num_turns,
                                      norm=advantage_norm)

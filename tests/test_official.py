@@ -216,3 +216,58 @@ def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
     np.testing.assert_array_equal(chosen.input_ids, ids)
     assert tok.decode(chosen.input_ids[chosen.turn_ids > 0].tolist()) == "\n\nQuestion 0?<|eot_id|>"
     assert tok.decode(rejected.input_ids[rejected.turn_ids > 0].tolist()) == "\n\nI WANT TO ANSWER: 0<|eot_id|>"
+
+
+def test_official_rank_score_is_the_scripts_mean_over_header_and_reply_at_temperature_half(tok):
+    from sweet_jax import rank as rank_lib
+
+    critic, _ = models(tok)
+    traj = official_trajectory(tok, ["Which inputs?", "I WANT TO ANSWER: pass"], ["Two ints.", None], 1.0)
+    prompt = rank_lib.turn_prompts([traj])[1]
+    replies = ["Do you want a sum?", "I WANT TO ANSWER: def f(a, b): return a + b"]
+    scorer = rank_lib.ReplyScorer(critic, tok, info_template=INFO, style="official", temperature=0.5,
+                                  batch_size=2, bucket=64)
+    got = scorer([(prompt, r) for r in replies])
+
+    template = HEADER + "\n\n"
+    tail = len(tok(template, add_special_tokens=False)["input_ids"])  # 4 on Llama 3
+    for reply, score in zip(replies, got):
+        # The script: vLLM adds a BOS to info + input + reply + empty header, returns prompt log-probs at
+        # temperature 0.5; drop the last header, average what follows the last eos.
+        ids = [tok.bos_token_id] + tok(INFO.format(ground_truth=traj.task.ground_truth) + prompt.input_text + reply
+                                       + template, add_special_tokens=False)["input_ids"]
+        padded = np.zeros((1, 256), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.asarray(_logits(critic, padded)[0, :len(ids)], np.float64) / 0.5
+        logsm = logits - logits.max(-1, keepdims=True)
+        logsm -= np.log(np.exp(logsm).sum(-1, keepdims=True))
+        prompt_logprobs = [logsm[t - 1, ids[t]] for t in range(1, len(ids))][:-tail]
+        tokens = ids[1:len(ids) - tail]
+        last_eos = max(i for i, t in enumerate(tokens) if t == tok.eos_token_id)
+        np.testing.assert_allclose(score, np.mean(prompt_logprobs[last_eos + 1:]), rtol=1e-5)
+        seq = rank_lib.critic_sequence(tok, prompt, reply, info_template=INFO, info_placement="raw_prefix",
+                                       style="official")
+        assert tok.decode(seq.input_ids[seq.turn_ids > 0].tolist()) == template + reply
+        assert seq.input_ids[0] == tok.bos_token_id and INFO[:8] in tok.decode(seq.input_ids[1:4].tolist())
+    no_info = rank_lib.critic_sequence(tok, prompt, replies[0], info_template=INFO, info_placement="raw_prefix",
+                                       use_info=False, style="official")
+    assert list(no_info.input_ids[:2]) == [tok.bos_token_id] * 2  # the second BOS vLLM adds
+
+
+def test_official_pairing_draws_with_replacement_across_halves_and_allows_ties():
+    scores = [[0.5, 0.5, 0.5, 0.5], [4.0, 3.0, 2.0, 1.0]]
+    cands = [["a", "b", "c", "d"], ["w", "x", "y", "z"]]
+    strict = pairs_lib.policy_pairs(cands, scores, num_pairs=4, seed=42)
+    official = pairs_lib.policy_pairs(cands, scores, num_pairs=4, seed=42, pairing="official")
+    assert strict.skipped_groups == [0] and len(strict) == 4
+    assert len(official) == 8 and not official.skipped_groups  # all tied: still 4 pairs
+    tied = [p for p in official if p.group == 0]
+    assert all(p.chosen_index in (0, 1) and p.rejected_index in (2, 3) for p in tied)
+    ranked = [p for p in official if p.group == 1]
+    assert all(p.chosen in ("w", "x") and p.rejected in ("y", "z") for p in ranked)
+    draws = [(p.group, p.chosen_index, p.rejected_index) for p in official]
+    assert draws == [(p.group, p.chosen_index, p.rejected_index)
+                     for p in pairs_lib.policy_pairs(cands, scores, num_pairs=4, seed=42, pairing="official")]
+    # With replacement: 16 draws from 2 x 2 combinations must repeat some.
+    many = pairs_lib.policy_pairs(cands[1:], scores[1:], num_pairs=16, seed=0, pairing="official")
+    assert len(many) == 16 and len({(p.chosen_index, p.rejected_index) for p in many}) <= 4

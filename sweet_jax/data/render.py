@@ -345,6 +345,30 @@ def render_official_text(tokenizer, text: str, *, max_len: int | None = None,
     return Rendered(ids, turn_ids, tuple(start for start, _ in spans), int(eos_id))
 
 
+def render_official_score(tokenizer, prompt_text: str, reply: str, *, info: str | None = None,
+                          info_template: str = OFFICIAL_INFO_TEMPLATE,
+                          response_template: str = RESPONSE_TEMPLATE + "\n\n") -> Rendered:
+    """The sequence the official ranking script scores a candidate on, with turn id 1 on the scored tokens.
+
+    The script sends info + prompt + reply + an empty assistant header to vLLM, which adds a BOS in front of the
+    already templated string (so a second BOS precedes the text's own); of the prompt's token log-probs it drops
+    the last header's tokens and averages those after the last eos: the header of the reply's own turn (4
+    tokens on Llama 3) and the reply, no end-of-turn. The trailing header is left out here (a causal model's
+    earlier log-probs do not depend on it)."""
+    prefix = info_text(info, info_template) if info is not None else ""
+    ids, _ = _tokenize(tokenizer, prefix + prompt_text + reply + response_template)
+    tail = len(_tokenize(tokenizer, response_template)[0])
+    bos = tokenizer.bos_token_id
+    ids = np.concatenate([np.array([] if bos is None else [bos], np.int32), ids[:len(ids) - tail]]).astype(np.int32)
+    eos = np.flatnonzero(ids[1:] == tokenizer.eos_token_id)  # ids[0] has no log-prob: the script never sees it
+    first = int(eos[-1]) + 2 if len(eos) else 1
+    if first >= len(ids):
+        raise RenderError("nothing to score: the candidate and its header are empty")
+    turn_ids = np.zeros(len(ids), np.int32)
+    turn_ids[first:] = 1
+    return Rendered(ids, turn_ids, (first,), tokenizer.eos_token_id)
+
+
 def render_prompt(tokenizer, messages: Sequence[dict], *, info: str | None = None,
                   info_template: str = OFFICIAL_INFO_TEMPLATE, info_placement: str = "system") -> Rendered:
     """The prompt o_t for sampling the next reply: `.input_ids` end with the assistant header.
