@@ -187,7 +187,7 @@ def test_not_a_gguf_file_is_one_line_naming_it_exit_2(tmp_path, capsys):
         gguf_lib.main([str(bad), str(tmp_path / "out")])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(bad) in err and "not a readable GGUF" in err
+    assert len(err.splitlines()) == 1 and str(bad) in err and "not a GGUF file" in err
 
 
 def test_non_llama_architecture_is_refused_naming_the_file(tmp_path):
@@ -198,6 +198,21 @@ def test_non_llama_architecture_is_refused_naming_the_file(tmp_path):
         step()
     with pytest.raises(UnsupportedModelError, match=r"q\.gguf: general\.architecture='qwen2'"):
         gguf_lib.load_gguf(tmp_path / "q.gguf")
+
+
+def test_tensor_type_gguf_cannot_dequantise_is_named(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "q81.gguf", "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 32),
+                       (writer.add_feed_forward_length, 64), (writer.add_head_count, 2),
+                       (writer.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    q8_1 = gguf.GGMLQuantizationType.Q8_1  # 32 values a block in 40 bytes; gguf 0.19 cannot dequantise it
+    writer.add_tensor("token_embd.weight", np.zeros((16, 40), np.uint8), raw_dtype=q8_1)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    with pytest.raises(gguf_lib.GGUFError, match=r"q81\.gguf: tensor 'token_embd\.weight' is stored as Q8_1"):
+        gguf_lib.load_gguf(tmp_path / "q81.gguf")
 
 
 def test_file_without_chat_template_is_refused_for_chat(tiny_files, tmp_path):

