@@ -11,6 +11,12 @@ Presets:
                tasks file (--config.tasks), 3 samples per task at temperature 1.0, simulator
                Llama-3.1-70B-Instruct behind an OpenAI-compatible endpoint (vLLM or sweet_jax.serve).
   eval_8b      evaluation: one greedy episode per task, same simulator.
+  official     collect_8b as the official collection script runs it (README, "Coming from the official code"):
+               the output rewritten in the official block layout with failed episodes kept (layout=official),
+               the evaluator's official scoring rules (sandbox.compat=sweet_rl) and 1 s per test case. Point
+               --config.agent_prompt_path / --config.simulator.prompt_path at the official prompt files.
+  official_eval  evaluation as the official scripts: one episode per task sampled at temperature 1.0 (up to
+               1024 tokens), the same layout, scoring rules and timeout.
 """
 import ml_collections
 
@@ -27,6 +33,8 @@ def get_config(preset: str = "demo"):
     c.best_of = 1                 # k episodes per task
     c.max_turns = 10              # agent turns per episode (ColBench: 10)
     c.agent_prompt = True         # prepend the task rules (envs.AGENT_PROMPT) as a system message
+    c.agent_prompt_path = ""      # a text file used verbatim as that system message instead (e.g. the official one)
+    c.layout = "by_task"          # by_task (appended as episodes finish) | official (block layout, failures kept)
 
     c.sampling = ml_collections.ConfigDict()
     c.sampling.max_new_tokens = 512
@@ -46,6 +54,7 @@ def get_config(preset: str = "demo"):
     c.simulator.max_tokens = 256  # replies are cut to 400 characters anyway
     c.simulator.path = ""         # kind=model: HF directory of the simulator; '' = the policy's model
     c.simulator.tokenizer = ""
+    c.simulator.prompt_path = ""  # a template file over {problem_description} {hidden_information} {dialogue_history}
 
     c.output = "runs/rollout/trajectories.jsonl"
     c.batch_size = 16             # episodes played together (one sampler call per agent turn)
@@ -72,20 +81,26 @@ def get_config(preset: str = "demo"):
             c.simulator.kind = "openai"
             c.simulator.model = "sweet_jax"
             c.simulator.max_tokens = 48
-    elif preset in ("collect_8b", "eval_8b"):
+    elif preset in ("collect_8b", "eval_8b", "official", "official_eval"):
         c.policy.dtype = "bfloat16"
         c.simulator.kind = "openai"
         c.sampling.max_new_tokens = 1024
         c.batch_size = 64
         c.max_batch_size = 64
         c.mesh.shape = (1, -1, 1)
-        if preset == "collect_8b":
+        if preset in ("collect_8b", "official"):
             c.best_of = 3
             c.output = "runs/rollout_8b/trajectories.jsonl"
         else:
             c.sampling.temperature = 0.0
             c.output = "runs/eval_8b/trajectories.jsonl"
+        if preset.startswith("official"):
+            c.layout = "official"
+            c.sandbox.compat = "sweet_rl"
+            c.sandbox.timeout_s = 1.0  # the official evaluator's per-case limit
+            c.sampling.temperature = 1.0
+            c.num_tasks = 1000 if preset == "official_eval" else 0  # its README evaluates 1000 test tasks
     else:
-        raise ValueError(f"unknown rollout preset {preset!r}: use demo, demo_server, collect_8b or eval_8b "
-                         "(as configs/rollout.py:demo)")
+        raise ValueError(f"unknown rollout preset {preset!r}: use demo, demo_server, collect_8b, eval_8b, official or "
+                         "official_eval (as configs/rollout.py:demo)")
     return c

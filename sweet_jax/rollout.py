@@ -16,6 +16,10 @@ Stages: config -> tasks -> policy sampler -> simulator -> sandbox -> episodes in
   goes on, and a rerun tries those episodes again.
 - Summary: success rate (reward 1.0), % tests passed (mean reward), turns per episode, over the whole
   output file; printed and written to OUTPUT.summary.json.
+- layout="official" (configs/rollout.py:official): once every episode has run, OUTPUT is rewritten in the
+  official block layout, what the official `evaluate_code.py --k` expects: row b * N + i is sample b of task i
+  (all tasks' first samples, then all their second samples, ...), and failed episodes stay in it as the official
+  collector keeps every episode (their dialogue so far, answer "No answer", reward 0.0, `rollout.failure`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sweet_jax.envs import (AGENT_PROMPT, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
+from sweet_jax.envs import (AGENT_PROMPT, NO_ANSWER, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
                             Simulator, SimulatorError, task_field, task_json)
 from sweet_jax.errors import SweetJaxError
 
@@ -190,6 +194,48 @@ def summary_path(out: pathlib.Path) -> pathlib.Path:
     return out.with_name(out.name + ".summary.json")
 
 
+def official_blocks(records: Sequence[dict], failures: Sequence[dict], tasks: Sequence[Any],
+                    best_of: int) -> list[dict]:
+    """Every episode of the run in the official block order (row b * len(tasks) + i = sample b of task i); a
+    failed episode becomes a record (answer "No answer", reward 0.0, rollout.failure = its reason)."""
+    by_key = {}
+    for f in failures:
+        key = (f["task_index"], f["sample"])
+        by_key[key] = {"task": tasks[key[0]], "dialogue_history": f["dialogue_history"], "answer": NO_ANSWER,
+                       "reward": 0.0, "rollout": {"task_index": key[0], "sample": key[1], "task_id": f["task_id"],
+                                                  "turns": f.get("turns"), "failure": f["reason"]}}
+    for r in records:  # a later success (a rerun) replaces an earlier failure
+        by_key[(r["rollout"]["task_index"], r["rollout"]["sample"])] = r
+    missing = [(i, b) for b in range(best_of) for i in range(len(tasks)) if (i, b) not in by_key]
+    if missing:
+        raise RolloutError(f"{len(missing)} episodes have not run yet (first: task {missing[0][0]}, sample "
+                           f"{missing[0][1]}); the official block layout needs every one. Rerun to complete them")
+    return [by_key[(i, b)] for b in range(best_of) for i in range(len(tasks))]
+
+
+def from_official_blocks(records: Sequence[dict], best_of: int) -> dict[tuple[int, int], dict]:
+    """The inverse: {(task_index, sample): record} from a file in the official block layout (k = best_of copies
+    of the task list, stacked), checking the alignment the official evaluator asserts."""
+    if best_of < 1 or len(records) % best_of:
+        raise RolloutError(f"{len(records)} records are not {best_of} equal blocks (official --k {best_of})")
+    n = len(records) // best_of
+    for r in range(n, len(records)):
+        if records[r]["task"]["problem_description"] != records[r - n]["task"]["problem_description"]:
+            raise RolloutError(f"record {r + 1} is not the same task as record {r + 1 - n}: not the official "
+                               f"block layout for k={best_of}")
+    return {(r % n, r // n): rec for r, rec in enumerate(records)}
+
+
+def write_official_layout(out: pathlib.Path, tasks: Sequence[Any], best_of: int) -> int:
+    """Rewrite OUTPUT (atomically) in the official block layout, failed episodes included; returns its rows."""
+    failures = read_records(failures_path(out)) if failures_path(out).exists() else []
+    rows = official_blocks(read_records(out), failures, tasks, best_of)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, out)
+    return len(rows)
+
+
 def summarize(records: Sequence[dict], *, failed: int = 0) -> dict:
     rewards = np.array([r["reward"] for r in records if r.get("reward") is not None], np.float64)
     turns = np.array([sum(d["role"] == "assistant" for d in r["dialogue_history"]) for r in records], np.float64)
@@ -320,15 +366,18 @@ def load_model_sampler(path: str, tokenizer: str, *, dtype: str = "float32", see
 
 
 def make_simulator(config, policy_sampler=None) -> Simulator:
+    from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
+
     s = config.simulator
+    template = load_prompt(s.prompt_path, "simulator") if s.get("prompt_path") else SIMULATOR_PROMPT
     if s.kind == "openai":
         return OpenAISimulator(s.base_url, s.model, api_key=s.api_key, timeout_s=s.timeout_s,
                                max_retries=s.max_retries, backoff_s=s.backoff_s, concurrency=s.concurrency,
-                               max_tokens=s.max_tokens)
+                               max_tokens=s.max_tokens, template=template)
     if s.kind == "model":
         sampler = policy_sampler if not s.path else load_model_sampler(
             s.path, s.tokenizer, dtype=config.policy.dtype, seed=config.seed, mesh=make_mesh(config.mesh.shape))
-        return ModelSimulator(sampler, max_new_tokens=s.max_tokens, seed=config.seed)
+        return ModelSimulator(sampler, max_new_tokens=s.max_tokens, seed=config.seed, template=template)
     if s.kind == "scripted":
         return ScriptedSimulator()
     raise RolloutError(f"simulator.kind={s.kind!r}: use openai (an OpenAI-compatible endpoint), model "
@@ -336,13 +385,20 @@ def make_simulator(config, policy_sampler=None) -> Simulator:
 
 
 def run(config) -> dict:
+    from sweet_jax.envs.prompts import load_prompt
+
     tasks = load_task_list(config.tasks, config.num_tasks)
+    if config.get("layout", "by_task") not in ("by_task", "official"):
+        raise RolloutError(f"layout={config.layout!r}: use by_task or official (the official block layout)")
+    agent_prompt = AGENT_PROMPT if config.agent_prompt else None
+    if config.get("agent_prompt_path"):
+        agent_prompt = load_prompt(config.agent_prompt_path, "agent")
     mesh = make_mesh(config.mesh.shape)
     sampler = load_model_sampler(config.policy.path, config.policy.tokenizer, dtype=config.policy.dtype,
                                  seed=config.seed, mesh=mesh, max_batch_size=config.max_batch_size)
     policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
                            temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-                           top_k=config.sampling.top_k, system_prompt=AGENT_PROMPT if config.agent_prompt else None,
+                           top_k=config.sampling.top_k, system_prompt=agent_prompt,
                            seed=config.seed)
     simulator = make_simulator(config, sampler)
     out = pathlib.Path(config.output)
@@ -358,6 +414,10 @@ def run(config) -> dict:
             evaluator.__enter__()
         summary = rollout(tasks, policy, simulator, out, best_of=config.best_of, batch_size=config.batch_size,
                           max_turns=config.max_turns, evaluator=evaluator, progress=config.progress)
+        if config.get("layout", "by_task") == "official":
+            write_official_layout(out, tasks, config.best_of)
+            summary = dict(summarize(read_records(out)), failed_episodes=summary["failed_episodes"])
+            summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
     finally:
         if evaluator is not None:
             evaluator.__exit__(None, None, None)

@@ -271,3 +271,93 @@ def test_official_pairing_draws_with_replacement_across_halves_and_allows_ties()
     # With replacement: 16 draws from 2 x 2 combinations must repeat some.
     many = pairs_lib.policy_pairs(cands[1:], scores[1:], num_pairs=16, seed=0, pairing="official")
     assert len(many) == 16 and len({(p.chosen_index, p.rejected_index) for p in many}) <= 4
+
+
+def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
+    from sweet_jax import rollout as rollout_lib
+    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.envs import ANSWER_MARKER, ScriptedSimulator
+    from sweet_jax.envs.simulators import SimulatorError
+
+    tasks = [{"problem_description": f"Task {i}: write f(x).", "ground_truth": f"def f(x):\n    return x + {i}",
+              "test_cases": {"a": "f(1)"}, "hidden_information": f"My number is {i}."} for i in range(3)]
+
+    def policy(messages):
+        asked = sum(m["role"] == "assistant" for m in messages)
+        return "What is your number?" if asked == 0 else f"{ANSWER_MARKER}\ndef f(x):\n    return x"
+
+    def simulator(task, dialogue):
+        if "Task 1" in task["problem_description"]:
+            raise SimulatorError("endpoint down")
+        return task["hidden_information"]
+
+    out = tmp_path / "traj.jsonl"
+    rollout_lib.rollout(tasks, rollout_lib.FunctionPolicy(policy), ScriptedSimulator(simulator), out, best_of=2,
+                        batch_size=4, progress=False)
+    assert len(rollout_lib.read_records(out)) == 4  # by task: the two failed episodes are apart
+    rows = rollout_lib.write_official_layout(out, tasks, best_of=2)
+    records = rollout_lib.read_records(out)
+    assert rows == 6 == len(records)
+    # Row b * N + i is sample b of task i: the alignment the official evaluate_code.py --k 2 asserts.
+    assert [(r["rollout"]["task_index"], r["rollout"]["sample"]) for r in records] == \
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    for i in range(3):
+        assert records[i]["task"]["problem_description"] == records[i + 3]["task"]["problem_description"]
+    failed = [r for r in records if "failure" in r["rollout"]]
+    assert [r["rollout"]["task_index"] for r in failed] == [1, 1]
+    assert all(r["answer"] == "No answer" and r["reward"] == 0.0 and r["dialogue_history"][1]["role"] == "assistant"
+               for r in failed)
+    assert len(load_trajectories(out)) == 6  # our loader reads it back
+    back = rollout_lib.from_official_blocks(records, best_of=2)
+    assert sorted(back) == [(i, b) for i in range(3) for b in range(2)]
+    assert all(rec["rollout"]["task_index"] == i and rec["rollout"]["sample"] == b for (i, b), rec in back.items())
+    with pytest.raises(rollout_lib.RolloutError, match="have not run yet"):
+        rollout_lib.official_blocks([r for r in records if "failure" not in r["rollout"]], [], tasks, 2)
+    with pytest.raises(rollout_lib.RolloutError, match="not the same task"):
+        by_task = sorted(records, key=lambda r: (r["rollout"]["task_index"], r["rollout"]["sample"]))
+        rollout_lib.from_official_blocks(by_task, best_of=2)
+
+
+def test_prompts_load_from_files_with_the_official_placeholders(tmp_path):
+    from sweet_jax.envs.prompts import load_prompt, simulator_dialogue_text
+    from sweet_jax.envs.simulators import simulator_messages
+    from sweet_jax.errors import SweetJaxError
+
+    sim = tmp_path / "sim.txt"
+    sim.write_text("You are a user with {{braces}}. Task: {problem_description}\nSecret: {hidden_information}\n"
+                   "So far:\n{dialogue_history}")
+    template = load_prompt(str(sim), "simulator")
+    task = {"problem_description": "Sum two numbers.", "ground_truth": "g", "hidden_information": "Use ints."}
+    dialogue = [{"role": "user", "content": "Sum two numbers."}, {"role": "assistant", "content": "Which type?"}]
+    messages = simulator_messages(task, dialogue, template=template)
+    assert messages[1]["content"] == ("You are a user with {braces}. Task: Sum two numbers.\nSecret: Use ints.\n"
+                                      "So far:\n" + simulator_dialogue_text(dialogue))
+    agent = tmp_path / "agent.txt"
+    agent.write_text("Rules {as written}.")
+    assert load_prompt(str(agent), "agent") == "Rules {as written}."
+    bad = tmp_path / "bad.txt"
+    bad.write_text("{hidden_information} {ground_truth}")
+    with pytest.raises(SweetJaxError, match=r"unknown placeholder\(s\) \['ground_truth'\]"):
+        load_prompt(str(bad), "simulator")
+    bad.write_text("{problem_description} only")
+    with pytest.raises(SweetJaxError, match="hidden_information"):
+        load_prompt(str(bad), "simulator")
+
+
+def test_official_presets_select_the_official_behaviour():
+    from configs import critic, policy, rank, rollout
+
+    c = critic.get_config("official")
+    assert (c.data.mask_style, c.data.length_policy, c.loss.advantage_norm) == ("official", "cut_right",
+                                                                               "trajectory_mean")
+    p = policy.get_config("official")
+    assert (p.loss.nll_scope, p.loss.nll_coef, p.data.max_len) == ("sequence", 0.01, 16384)
+    r = rank.get_config("official")
+    assert (r.rank_reference, r.score_style, r.critic_temperature, r.pairing, r.seed) == \
+        ("sampler", "official", 0.5, "official", 42)
+    e = rollout.get_config("official_eval")
+    assert (e.sampling.temperature, e.sampling.max_new_tokens, e.sandbox.timeout_s, e.sandbox.compat, e.layout) == \
+        (1.0, 1024, 1.0, "sweet_rl", "official")
+    # The paper's defaults stay.
+    assert critic.get_config("llama3_8b").loss.advantage_norm == "turn_mean"
+    assert policy.get_config("llama3_8b").loss.nll_scope == "reply"

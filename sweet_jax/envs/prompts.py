@@ -42,3 +42,40 @@ def simulator_dialogue_text(dialogue) -> str:
     """The dialogue as the official simulator sees it: 'role:content' blocks, ending with 'agent:'."""
     parts = [f"{turn['role']}:{turn['content']}\n\n\n\n" for turn in dialogue]
     return "".join(parts) + "agent:"
+
+
+# The placeholders a prompt file may use (the official prompt files' names); the agent prompt has none.
+PROMPT_FIELDS = {"simulator": ("problem_description", "hidden_information", "dialogue_history"), "agent": ()}
+
+
+def load_prompt(path: str, kind: str) -> str:
+    """A prompt from a text file (e.g. the official prompt files, which this package does not ship).
+
+    kind="simulator": a template over {problem_description}, {hidden_information} and {dialogue_history} (the
+    dialogue as 'role:content' blocks ending with 'agent:', simulator_dialogue_text), formatted per reply.
+    kind="agent": the agent's system message, used verbatim (no placeholders)."""
+    import pathlib
+    import string
+
+    from sweet_jax.errors import SweetJaxError
+
+    if kind not in PROMPT_FIELDS:
+        raise SweetJaxError(f"prompt kind must be one of {tuple(PROMPT_FIELDS)}, got {kind!r}")
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise SweetJaxError(f"{kind} prompt file {path} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if kind == "agent":
+        return text
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as e:
+        raise SweetJaxError(f"{path}: not a valid template ({e}); write a literal brace as {{{{ or }}}}") from None
+    unknown = sorted(set(fields) - set(PROMPT_FIELDS[kind]))
+    if unknown:
+        raise SweetJaxError(f"{path}: unknown placeholder(s) {unknown}; a {kind} prompt may use "
+                            + ", ".join("{" + f + "}" for f in PROMPT_FIELDS[kind]))
+    if "hidden_information" not in fields:
+        raise SweetJaxError(f"{path}: the simulator prompt never shows {{hidden_information}}, so the simulated "
+                            "human cannot answer from it; add the placeholder")
+    return text
