@@ -38,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.info_template = "In light that the final answer is: {ground_truth}."  # the official code's wording
     c.data.info_placement = "system"  # system | first_user | raw_prefix: where c goes (see data/render.py)
     c.data.eval_fraction = 0.1        # fraction of *tasks* held out for evaluation
+    c.data.eval_split = "tasks"       # tasks (held out) | first_rows (official: the first rows, trained on too)
     c.data.padding_side = "right"     # right | left
     c.data.min_gap = 0.0              # critic pairs: minimum reward gap between chosen and rejected
 
@@ -98,6 +99,8 @@ def official(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.info_placement = "raw_prefix"
     c.loss.advantage_norm = "trajectory_mean"
     c.loss.nll_scope = "sequence"
+    c.data.eval_split = "first_rows"
+    c.data.eval_fraction = 0.03
     return c
 
 

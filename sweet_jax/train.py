@@ -93,6 +93,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
     need(config.data.max_len > 0 and config.data.bucket > 0, "data.max_len", "max_len and bucket must be > 0")
     need(0.0 <= config.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+    need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
+         "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
     shape = tuple(config.mesh.shape)
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
          "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
@@ -230,6 +232,12 @@ def split_by_task(keys: list[str], eval_fraction: float, seed: int) -> set[str]:
     return {distinct[i] for i in picked}
 
 
+def first_rows(num_rows: int, eval_fraction: float) -> int:
+    """data.eval_split='first_rows' (the official trainer's split when the data has no test split): the first
+    int(eval_fraction * rows) rows are evaluated on, and every row, those included, is trained on."""
+    return int(num_rows * eval_fraction)
+
+
 def _read_jsonl(path: str, what: str, field: str) -> list[dict]:
     from etils import epath
     p = epath.Path(path)
@@ -278,20 +286,26 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
     if not trajectories:
         raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point it at a non-empty "
                                "ColBench trajectories JSONL")
-    eval_keys = split_by_task([t.task.key for t in trajectories], config.data.eval_fraction, config.train.seed)
-    splits = ([t for t in trajectories if t.task.key not in eval_keys],
-              [t for t in trajectories if t.task.key in eval_keys])
+    def listing(trajs):  # critic / mtdpo: trajectory pairs; rft: the successful trajectories
+        return pairs_lib.critic_pairs(trajs, min_gap=config.data.min_gap) if kind in ("critic", "mtdpo") \
+            else pairs_lib.rft_examples(trajs)
+
+    if config.data.get("eval_split", "tasks") == "first_rows":
+        everything = listing(trajectories)
+        lists = (everything, everything[:first_rows(len(everything), config.data.eval_fraction)])
+    else:
+        eval_keys = split_by_task([t.task.key for t in trajectories], config.data.eval_fraction, config.train.seed)
+        lists = (listing([t for t in trajectories if t.task.key not in eval_keys]),
+                 listing([t for t in trajectories if t.task.key in eval_keys]))
     out = []
-    for trajs in splits:
-        tasks = len({t.task.key for t in trajs})
+    for listed in lists:
+        tasks = len({x.task_key if kind != "rft" else x.task.key for x in listed})
         if kind in ("critic", "mtdpo"):
-            listed = pairs_lib.critic_pairs(trajs, min_gap=config.data.min_gap)
             part = mine(len(listed))
             examples, _ = pairs_lib.pair_examples(tokenizer, listed[part.start:part.stop],
                                                   with_info=kind == "critic" and config.loss.use_info,
                                                   options=options, progress=len(part) > 200)
         else:  # rft: SFT on the successful trajectories
-            listed = pairs_lib.rft_examples(trajs)
             part = mine(len(listed))
             examples, _ = pairs_lib.sft_examples(tokenizer, listed[part.start:part.stop], options=options,
                                                  progress=len(part) > 200)
@@ -323,18 +337,22 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
                                    "`python -m sweet_jax.rank`, or be an official pairs file (chosen and rejected "
                                    "strings)")
     keys = [str(r.get("task_key", r.get("trajectory_index", n))) for n, r in enumerate(records)]
-    eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
+    if config.data.get("eval_split", "tasks") == "first_rows":
+        n_eval = first_rows(len(records), config.data.eval_fraction)
+        splits, eval_keys = (records, records[:n_eval]), set(keys[:n_eval])
+    else:
+        eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
+        splits = tuple([r for key, r in zip(keys, records) if (key in eval_keys) == held_out]
+                       for held_out in (False, True))
     stats = render.LengthStats()
     out = []
-    for held_out in (False, True):
-        listed = [r for key, r in zip(keys, records) if (key in eval_keys) == held_out]
+    for held_out, listed in zip((False, True), splits):
         part = mine(len(listed))
         examples, ids = [], []
         for i in part:
             r = listed[i]
             if pairs_lib.is_official_pair_row(r):
-                seqs = pairs_lib.official_pair_sequences(tokenizer, r, max_len=options.max_len,
-                                                         overflow=options.overflow, where=config.data.pairs)
+                seqs = pairs_lib.official_pair_sequences(tokenizer, r, where=config.data.pairs)
             else:
                 seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"],
                                                                         r[side]),), label="last")
@@ -343,7 +361,7 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
             if fitted is not None:
                 examples.append(fitted)
                 ids.append(i)
-        tasks = len({k for k in keys if (k in eval_keys) == held_out})
+        tasks = len({k for k in keys if (k in eval_keys) == held_out or (listed is records)})
         out.append(Dataset(examples, ids, len(listed), tasks, 2))
     stats.log("policy pairs", options.max_len)
     return out[0], out[1]

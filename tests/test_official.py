@@ -361,3 +361,19 @@ def test_official_presets_select_the_official_behaviour():
     # The paper's defaults stay.
     assert critic.get_config("llama3_8b").loss.advantage_norm == "turn_mean"
     assert policy.get_config("llama3_8b").loss.nll_scope == "reply"
+
+
+def test_first_rows_eval_split_evaluates_the_first_rows_and_trains_on_all(tok, tmp_path):
+    from configs import policy as policy_configs
+    from sweet_jax import train
+
+    rows = [official_pair_row(tok, official_trajectory(tok, [f"Q{i}?"], [None], 1.0),
+                              official_trajectory(tok, [f"A{i}"], [None], 0.0)) for i in range(40)]
+    path = tmp_path / "random_pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = policy_configs.get_config("demo_official")  # eval_split first_rows, eval_fraction 0.03
+    with config.unlocked():
+        config.data.pairs = str(path)
+    train_set, eval_set = train.build_datasets(config, tok)
+    assert len(train_set) == 40 and len(eval_set) == 1  # int(0.03 * 40) = 1: row 0, trained on as well
+    np.testing.assert_array_equal(eval_set.examples[0][0].input_ids, train_set.examples[0][0].input_ids)

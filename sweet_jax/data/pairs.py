@@ -101,11 +101,9 @@ class RenderOptions:
     mask_style: str = "turns"  # "turns" | "official" (render.render_official_text)
 
     def render(self, tokenizer, trajectory: Trajectory, *, with_info: bool) -> Rendered:
-        # The official mask is found after the cut (as the fork does), so cut_right happens while rendering.
-        cut = self.max_len if self.mask_style == "official" and self.overflow == "cut_right" else None
         return render_trajectory(tokenizer, trajectory, with_info=with_info, info_template=self.info_template,
                                  info_placement=self.info_placement, use_prerendered=self.use_prerendered,
-                                 mask_style=self.mask_style, max_len=cut)
+                                 mask_style=self.mask_style)
 
 
 def pair_examples(tokenizer, pairs: Sequence[TrajectoryPair], *, with_info: bool,
@@ -246,17 +244,16 @@ def is_official_pair_row(row: dict) -> bool:
     return isinstance(row.get("chosen"), str) and isinstance(row.get("rejected"), str) and "prompt_text" not in row
 
 
-def official_pair_sequences(tokenizer, row: dict, *, label: str = "last", max_len: int | None = None,
-                            overflow: str = "truncate", where: str = "") -> tuple[Rendered, Rendered]:
+def official_pair_sequences(tokenizer, row: dict, *, label: str = "last", where: str = "") -> tuple[Rendered, Rendered]:
     """(chosen, rejected) of an official pairs row, tokenized and masked as the fork does
     (render.render_official_text): label="last" marks the reply after the last assistant header (the policy's
     step-level pairs; DPO's log-probs are summed there, the prompt being the same on both sides), "all" every
-    reply (the critic's ground-truth preference files). overflow="cut_right" cuts before masking, as the fork."""
+    reply (the critic's ground-truth preference files). The length policy runs afterwards: fit_length's cut_right
+    gives the fork's right cut, with the same mask as masking after the cut."""
     from sweet_jax.data.render import RenderError
 
-    cut = max_len if overflow == "cut_right" else None
     try:
-        return tuple(render_official_text(tokenizer, row[side], max_len=cut, label=label)
+        return tuple(render_official_text(tokenizer, row[side], label=label)
                      for side in ("chosen", "rejected"))
     except RenderError as e:
         raise DataError(str(e), where=where, field="chosen/rejected") from None

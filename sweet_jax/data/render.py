@@ -270,9 +270,9 @@ def render_trajectory(tokenizer, trajectory: Trajectory, *, with_info: bool = Fa
                       max_len: int | None = None) -> Rendered:
     """A trajectory with every reply labelled; with_info adds the task's ground truth (critic's c).
 
-    mask_style="official": the fork's sequence and mask (render_official_text) over `official_text`; max_len
-    then cuts it from the right before the mask is found, as the fork does (otherwise max_len is unused here:
-    the length policy runs later, in fit_length)."""
+    mask_style="official": the fork's sequence and mask (render_official_text) over `official_text`, cut from
+    the right at max_len when given (training leaves the cut to fit_length's cut_right, which gives the same
+    tokens and mask, and counts it)."""
     info = trajectory.task.ground_truth if with_info else None
     if mask_style == "official":
         return render_official_text(tokenizer, official_text(tokenizer, trajectory, info=info,
