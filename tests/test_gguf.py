@@ -3,12 +3,14 @@ llama.cpp's converter does, some tensors quantised), and the real SmolLM2-135M-I
 (CI installs it), each against transformers' own GGUF loading."""
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
 import gguf
 import numpy as np
 import pytest
+import sentencepiece
 import torch
 import transformers
 from flax import nnx
@@ -31,27 +33,13 @@ STORAGE = {"token_embd": gguf.GGMLQuantizationType.F16, "attn_q": gguf.GGMLQuant
            "attn_k": gguf.GGMLQuantizationType.Q4_1, "ffn_down": gguf.GGMLQuantizationType.Q4_0}
 
 
-def write_gguf(path, hf_dir, *, add_bos_token=False, chat_template=True) -> pathlib.Path:
-    """A GGUF file as llama.cpp's converter writes one: llama.* metadata, the demo tokenizer as byte-level BPE
-    metadata, HF tensors renamed with GGUF_NAME_TABLE, Q/K rows permuted per head, some tensors quantised."""
-    config = json.loads((hf_dir / "config.json").read_text())
+def demo_bpe_keys(writer, *, add_bos_token=False, chat_template=True):
+    """The bundled demo tokenizer (Llama-3-style byte-level BPE) as llama.cpp's tokenizer.ggml.* keys."""
     tok = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
     tok_config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
     vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     special = {a["content"] for a in tok["added_tokens"]}
-
-    writer = gguf.GGUFWriter(path, "llama")
-    ours = LlamaConfig.from_hf(config)
-    writer.add_block_count(ours.num_layers)
-    writer.add_context_length(ours.max_position_embeddings)
-    writer.add_embedding_length(ours.hidden_size)
-    writer.add_feed_forward_length(ours.intermediate_size)
-    writer.add_head_count(ours.num_heads)
-    writer.add_head_count_kv(ours.num_kv_heads)
-    writer.add_rope_freq_base(ours.rope_theta)
-    writer.add_layer_norm_rms_eps(ours.rms_norm_eps)
-    writer.add_rope_dimension_count(ours.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_token_list(tokens)
@@ -63,6 +51,39 @@ def write_gguf(path, hf_dir, *, add_bos_token=False, chat_template=True) -> path
     writer.add_add_bos_token(add_bos_token)
     if chat_template:
         writer.add_chat_template(tok_config["chat_template"])
+
+
+def sentencepiece_keys(writer, tokenizer_model: pathlib.Path):
+    """A sentencepiece model's pieces, scores and piece kinds as llama.cpp writes them (no merges: Llama 2)."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model))
+    ids = range(sp.get_piece_size())
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in ids])
+    writer.add_token_scores([sp.get_score(i) for i in ids])
+    writer.add_token_types([2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+                            for i in ids])
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_chat_template(tokenizers_lib.LLAMA2_CHAT_TEMPLATE)
+
+
+def write_gguf(path, hf_dir, tokenizer_keys=demo_bpe_keys) -> pathlib.Path:
+    """A GGUF file as llama.cpp's converter writes one: llama.* metadata, tokenizer.ggml.* keys, HF tensors
+    renamed with GGUF_NAME_TABLE, Q/K rows permuted per head, some tensors quantised."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(path, "llama")
+    ours = LlamaConfig.from_hf(config)
+    writer.add_block_count(ours.num_layers)
+    writer.add_context_length(ours.max_position_embeddings)
+    writer.add_embedding_length(ours.hidden_size)
+    writer.add_feed_forward_length(ours.intermediate_size)
+    writer.add_head_count(ours.num_heads)
+    writer.add_head_count_kv(ours.num_kv_heads)
+    writer.add_rope_freq_base(ours.rope_theta)
+    writer.add_layer_norm_rms_eps(ours.rms_norm_eps)
+    writer.add_rope_dimension_count(ours.head_dim)
+    tokenizer_keys(writer)
 
     hf_to_gguf = {hf.replace("{i}", str(i)): g.replace("{i}", str(i)) for g, hf, _ in gguf_lib.GGUF_NAME_TABLE
                   for i in range(ours.num_layers)}
@@ -104,7 +125,8 @@ def tiny_files(tmp_path_factory):
     for style, tied in (("llama32", True), ("llama2", False)):
         hf_dir = tiny.make_hf_llama(root / style, style, vocab_size=4096, rope_scaling=None,
                                     tie_word_embeddings=tied)
-        files[style] = write_gguf(root / f"{style}.gguf", hf_dir, add_bos_token=not tied)
+        files[style] = write_gguf(root / f"{style}.gguf", hf_dir,
+                                   functools.partial(demo_bpe_keys, add_bos_token=not tied))
     return files
 
 
@@ -152,6 +174,25 @@ def test_tiny_gguf_tokenizer_matches_the_original_tokenizer(tiny_files):
     for text in STRINGS + ["1234567 + 89 = 1234656"]:
         assert ours(text)["input_ids"] == original(text)["input_ids"], text
     assert ours.apply_chat_template(MESSAGES, tokenize=False) == original.apply_chat_template(MESSAGES, tokenize=False)
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers_and_the_original(tmp_path):
+    tok_dir = tmp_path / "tok"
+    original = tokenizers_lib.build_llama2_tokenizer(tok_dir, tokenizers_lib.default_training_text(max_files=8))
+    hf_dir = tiny.make_hf_llama(tmp_path / "llama2", "llama2", vocab_size=len(original))
+    path = write_gguf(tmp_path / "sp.gguf", hf_dir, functools.partial(sentencepiece_keys,
+                                                                      tokenizer_model=tok_dir / "tokenizer.model"))
+    ours = gguf_lib.load_gguf_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    for text in STRINGS[:4] + ["x = 2024", " two  spaces", "emoji \U0001F600 falls back to bytes"]:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"], text
+        # llama.cpp adds BOS to sentencepiece vocabularies unless the file says otherwise; then the same pieces
+        assert ids[0] == ours.bos_token_id and ids[1:] == original(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == original.decode(ids, skip_special_tokens=True)
+    rendered = ours.apply_chat_template(MESSAGES[:3], tokenize=False)
+    assert rendered == original.apply_chat_template(MESSAGES[:3], tokenize=False)
+    assert rendered.startswith("<s>[INST] <<SYS>>")
 
 
 def test_add_bos_token_metadata_prepends_bos(tiny_files):
@@ -217,7 +258,7 @@ def test_tensor_type_gguf_cannot_dequantise_is_named(tmp_path):
 
 def test_file_without_chat_template_is_refused_for_chat(tiny_files, tmp_path):
     hf_dir = tiny_files["llama32"].parent / "llama32"
-    path = write_gguf(tmp_path / "plain.gguf", hf_dir, chat_template=False)
+    path = write_gguf(tmp_path / "plain.gguf", hf_dir, functools.partial(demo_bpe_keys, chat_template=False))
     with pytest.raises(tokenizers_lib.TokenizerError, match="no chat template.*tokenizer.chat_template"):
         gguf_lib.load_gguf_tokenizer(path)
     assert gguf_lib.load_gguf_tokenizer(path, require_chat_template=False).chat_template is None

@@ -312,37 +312,27 @@ _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's 
 
 def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True):
     """A transformers PreTrainedTokenizerFast built from the file's tokenizer.ggml.* metadata, with its
-    bos/eos/unk/pad tokens and tokenizer.chat_template. Byte-level BPE files (tokenizer.ggml.model 'gpt2':
-    Llama 3, SmolLM2, ...) are supported."""
+    bos/eos/unk/pad tokens and tokenizer.chat_template. Byte-level BPE ('gpt2': Llama 3, SmolLM2, ...) and
+    sentencepiece BPE with byte fallback ('llama': Llama 2, Mistral, TinyLlama, ...) are supported."""
     import transformers
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
 
-    from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN, TokenizerError, check_chat_template
+    from sweet_jax.data.tokenizers import TokenizerError, check_chat_template
 
     path = resolve_path(path)
     reader = reader or _open(path)
-    kind = _metadata(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"{path}: tokenizer.ggml.model={kind!r}: only byte-level BPE tokenizers ('gpt2': Llama 3, "
-                        f"SmolLM2, ...) are supported; convert the tokenizer from the original HF repository.")
-    pre = _metadata(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _BYTE_LEVEL_SPLITS:
-        raise GGUFError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported (supported: "
-                        f"{', '.join(sorted(_BYTE_LEVEL_SPLITS))}).")
     tokens = _metadata(reader, "tokenizer.ggml.tokens")
-    merges = _metadata(reader, "tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise GGUFError(f"{path}: tokenizer.ggml.tokens / tokenizer.ggml.merges are missing; the file carries no "
-                        f"byte-level BPE tokenizer.")
+    if not tokens:
+        raise GGUFError(f"{path}: metadata key tokenizer.ggml.tokens is missing; the file carries no tokenizer.")
+    kind = _metadata(reader, "tokenizer.ggml.model")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(path, reader, tokens)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(path, reader, tokens)
+    else:
+        raise GGUFError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level "
+                        f"BPE; 'llama', sentencepiece BPE).")
     token_types = _metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                   merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-    splits = [pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN if s == "llama3" else s), behavior="isolated")
-              for s in _BYTE_LEVEL_SPLITS[pre]]
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|eot_id|>, ...) match whole in text, as llama.cpp matches them.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, token_types) if kind == _CONTROL])
@@ -358,7 +348,8 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
                 raise GGUFError(f"{path}: tokenizer.ggml.{key}={token_id} is outside the {len(tokens)}-token "
                                 f"vocabulary.")
             special[name] = tokens[token_id]
-    add_bos = bool(_metadata(reader, "tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to sentencepiece vocabularies unless the file says otherwise
+    add_bos = bool(_metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(_metadata(reader, "tokenizer.ggml.add_eos_token", False))
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
         if flag and f"{name}_token" not in special:
@@ -386,6 +377,57 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
             raise TokenizerError(str(e).replace("(tokenizer_config.json 'chat_template' or chat_template.jinja)",
                                                 "(metadata key tokenizer.chat_template)")) from None
     return tokenizer
+
+
+def _byte_level_bpe(path, reader, tokens):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN
+
+    pre = _metadata(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _BYTE_LEVEL_SPLITS:
+        raise GGUFError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported (supported: "
+                        f"{', '.join(sorted(_BYTE_LEVEL_SPLITS))}).")
+    merges = _metadata(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise GGUFError(f"{path}: metadata key tokenizer.ggml.merges is missing (a byte-level BPE needs them).")
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                   merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    splits = [pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN if s == "llama3" else s), behavior="isolated")
+              for s in _BYTE_LEVEL_SPLITS[pre]]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(path, reader, tokens):
+    """Sentencepiece BPE as a tokenizers BPE with byte fallback: '▁' for spaces, merges ranked by the merged
+    piece's score when the file lists none (transformers.tokenization_utils_base.generate_merges, as
+    transformers' GGUF loading derives them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.tokenization_utils_base import generate_merges
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _metadata(reader, "tokenizer.ggml.merges")
+    if merges is not None:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = _metadata(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise GGUFError(f"{path}: tokenizer.ggml.scores and tokenizer.ggml.merges are both missing; a "
+                            f"sentencepiece vocabulary needs one of them.")
+        merges = generate_merges(vocab, dict(zip(tokens, scores)))
+    unk_id = _metadata(reader, "tokenizer.ggml.unknown_token_id")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None if unk_id is None else tokens[unk_id],
+                                   fuse_unk=True, byte_fallback=True))
+    prefix_space = bool(_metadata(reader, "tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + [decoders.Strip(content=" ", left=1)] * prefix_space)
+    return backend
 
 
 # ----------------------------------------------------------------------------------------------------------
