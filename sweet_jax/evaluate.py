@@ -57,12 +57,15 @@ def main(argv=None):
     parser.add_argument("--compat", choices=("strict", "sweet_rl"), default="strict",
                         help="sweet_rl: the official evaluator's scoring rules (deny-list, exec into locals)")
     parser.add_argument("--workers", type=int, default=None, help="sandbox workers (default: cores)")
-    parser.add_argument("--timeout-s", type=float, default=2.0, help="wall-clock limit per test case")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="wall-clock limit per test case (default 2.0; 1.0 with --compat sweet_rl, the official)")
     parser.add_argument("--degraded-ok", action="store_true",
                         help="run without namespaces where they are unavailable (labelled degraded)")
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed records instead of failing")
     args = parser.parse_args(argv)
 
+    if args.timeout_s is None:
+        args.timeout_s = 1.0 if args.compat == "sweet_rl" else 2.0
     rows = _load(args.trajectories, args.skip_bad)
     with Evaluator(workers=args.workers, timeout_s=args.timeout_s, compat=args.compat,
                    degraded_ok=args.degraded_ok) as evaluator:

@@ -377,3 +377,92 @@ def test_first_rows_eval_split_evaluates_the_first_rows_and_trains_on_all(tok, t
     train_set, eval_set = train.build_datasets(config, tok)
     assert len(train_set) == 40 and len(eval_set) == 1  # int(0.03 * 40) = 1: row 0, trained on as well
     np.testing.assert_array_equal(eval_set.examples[0][0].input_ids, train_set.examples[0][0].input_ids)
+
+
+def _official_pass(reference, answer, call):
+    """The official evaluator's per-case rule, re-stated for benign probes (run here, in-process): exec each
+    code into a function's locals, eval the call there, pass when equal by == and the reference is not None."""
+    def run(code):
+        scope = {}
+        try:
+            exec(code, {"__builtins__": __builtins__}, scope)
+            return eval(call, {"__builtins__": __builtins__}, scope)
+        except Exception:
+            return None
+    expected, got = run(reference), run(answer)
+    return bool(expected == got) and expected is not None
+
+
+PROBES = [  # (reference, answer), call f(2, 3); the honest answers import inside the function (exec-into-locals)
+    ("def f(a, b):\n    return a + b", "def f(a, b):\n    import numpy as np\n    return np.add(a, b)"),
+    ("def f(a, b):\n    return (a + b) / 2", "def f(a, b):\n    import numpy as np\n    return np.mean([a, b])"),
+    ("def f(a, b):\n    return {'x': a, 'y': b}",
+     "def f(a, b):\n    import collections\n    return collections.Counter({'x': a, 'y': b})"),
+    ("def f(a, b):\n    return {'x': a}",
+     "def f(a, b):\n    import collections\n    d = collections.defaultdict(int)\n    d['x'] += a\n    return d"),
+    ("def f(a, b):\n    return {'x': a, 'y': b}",
+     "def f(a, b):\n    import collections\n    return collections.OrderedDict(y=b, x=a)"),
+    ("def f(a, b):\n    return (a, b)",
+     "def f(a, b):\n    import collections\n    P = collections.namedtuple('P', 'a b')\n    return P(a, b)"),
+    ("def f(a, b):\n    return a / 4", "def f(a, b):\n    import decimal\n    return decimal.Decimal(a) / 4"),
+    ("def f(a, b):\n    return 0.1", "def f(a, b):\n    import decimal\n    return decimal.Decimal('0.1')"),
+    ("def f(a, b):\n    return b / 2", "def f(a, b):\n    import fractions\n    return fractions.Fraction(b, 2)"),
+    ("def f(a, b):\n    import math\n    return [math.nan, a]", "def f(a, b):\n    import math\n    return [math.nan, a]"),
+    ("def f(a, b):\n    import math\n    return [math.nan]", "def f(a, b):\n    return [float('nan')]"),
+    ("def f(a, b):\n    import math\n    return math.nan", "def f(a, b):\n    import math\n    return math.nan"),
+    ("def f(a, b):\n    import numpy as np\n    return {'m': np.nan}",
+     "def f(a, b):\n    import numpy as np\n    return {'m': np.nan}"),
+    ("def f(a, b):\n    return [a, b]", "def f(a, b):\n    return [a, b + 1]"),
+]
+ALWAYS_EQUAL = [  # the official evaluator passes these; they stay refused here
+    "def f(a, b):\n    class E:\n        def __eq__(s, o):\n            return True\n    return E()",
+    "def f(a, b):\n    import collections\n    class C(collections.Counter):\n        def __eq__(s, o):\n"
+    "            return True\n    return C()",
+    "def f(a, b):\n    class P(tuple):\n        _fields = ('a',)\n        def __eq__(s, o):\n            return True\n"
+    "    return P((0,))",
+    "def f(a, b):\n    import numpy as np\n    class A(np.ndarray):\n        def __eq__(s, o):\n            return True\n"
+    "        def tolist(s):\n            return s\n    return np.zeros(1).view(A)",
+]
+
+
+def test_sweet_rl_compat_scores_well_known_value_types_as_the_official_evaluator():
+    from sweet_jax.sandbox import Evaluator
+
+    official = [_official_pass(ref, ans, "f(2, 3)") for ref, ans in PROBES]
+    assert official == [True] * 7 + [False, True, True, False, False, True, False]  # the rule re-stated
+    tasks = [({"ground_truth": ref, "test_cases": {"t": "f(2, 3)"}}, ans) for ref, ans in PROBES]
+    tasks += [({"ground_truth": "def f(a, b):\n    return a + b", "test_cases": {"t": "f(2, 3)"}}, ans)
+              for ans in ALWAYS_EQUAL]
+    with Evaluator(workers=2, timeout_s=5.0, compat="sweet_rl") as evaluator:
+        scores = evaluator.score_many(tasks)
+    assert [s.reward == 1.0 for s in scores[:len(PROBES)]] == official
+    assert [s.reward for s in scores[len(PROBES):]] == [0.0] * len(ALWAYS_EQUAL)
+    assert all("rejected" in s.details["cases"][0].get("message", "") for s in scores[len(PROBES):])
+
+
+def test_official_plain_converts_only_real_numpy_and_known_types():
+    import collections
+    import sys
+    import types
+
+    from sweet_jax.sandbox import protocol
+
+    np = pytest.importorskip("numpy")
+    got = protocol.official_plain({"a": np.arange(3), "b": (np.float32(0.5), collections.Counter("aab"))},
+                                  sys.modules)
+    assert got == {"a": [0, 1, 2], "b": (0.5, {"a": 2, "b": 1})} and type(got["b"][1]) is dict
+    fake = types.ModuleType("numpy")
+    fake.ndarray = type("ndarray", (), {"tolist": lambda s: [1]})
+    fake.generic = type("generic", (), {})
+    value = fake.ndarray()
+    assert protocol.official_plain(value, {"numpy": fake}) is value  # a stand-in numpy converts nothing
+    with pytest.raises(protocol.ValueRejected):
+        protocol.encode_value(protocol.official_plain(value, {"numpy": fake}))
+
+
+def test_sweet_rl_on_python_313_warns_why_the_official_code_scores_zero():
+    from sweet_jax.sandbox import evaluator
+
+    assert evaluator.official_exec_warning((3, 12, 0)) is None
+    message = evaluator.official_exec_warning((3, 13, 1))
+    assert "3.13" in message and "PEP 667" in message and "scores every answer 0" in message

@@ -370,12 +370,17 @@ def _child_main(request, start, result_fd, child_uid, devnull):
             data = protocol.pack_frame({"k": message["k"], "i": message.get("i"), "e": _describe(e)})
         _write_all(result_fd, data)
 
+    official = request["mode"] == "sweet_rl"
+
     def case_message(i, thunk):
         try:
             value = thunk()
         except BaseException as e:
             return {"k": "case", "i": i, "e": _describe(e)}
         try:
+            if official:  # the plain values Python == equates well-known types with (protocol.official_plain)
+                return {"k": "case", "i": i, "v": protocol.encode_value(
+                    protocol.official_plain(value, sys.modules), shared_nans=protocol.shared_nans(sys.modules))}
             return {"k": "case", "i": i, "v": protocol.encode_value(value)}
         except protocol.ValueRejected as e:
             return {"k": "case", "i": i, "e": "rejected: " + str(e)[:300]}
@@ -409,11 +414,15 @@ def _child_main(request, start, result_fd, child_uid, devnull):
     os._exit(0)
 
 
+# The official function execs into its own locals and evals the call there. Up to Python 3.12 exec and eval
+# share the frame's locals dict; here that dict is explicit, so every Python scores as those did (from 3.13,
+# PEP 667, the official code itself no longer sees the answer's function and scores 0: evaluator.py warns).
 _OFFICIAL_GET_FUNCTION_OUTPUT = '''
 def get_function_output(function_definition, test_case):
     try:
-        exec(function_definition)
-        return eval(test_case)
+        scope = {"function_definition": function_definition, "test_case": test_case}
+        exec(function_definition, globals(), scope)
+        return eval(test_case, globals(), scope)
     except Exception:
         return None
 '''

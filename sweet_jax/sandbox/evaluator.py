@@ -22,6 +22,13 @@ shared between the reference and the answer in one process; a BaseException (Sys
 KeyboardInterrupt) aborting the whole official run (here only that case fails); the reference
 running without a time limit (here timeout_s applies to it too).
 
+Values in sweet_rl mode: well-known types (numpy scalars and arrays, Counter, OrderedDict, defaultdict,
+namedtuples, Decimal, Fraction) are turned into plain values in the child and compared by Python == with
+the official NaN identity (protocol.official_plain, values_equal_official); user-defined classes stay
+refused. Python 3.13+: the official exec into a function's locals no longer reaches eval (PEP 667), so the
+official code there scores every answer 0; this evaluator keeps the <= 3.12 scoring and warns
+(OFFICIAL_EXEC_WARNING).
+
 strict (default) differs from sweet_rl in: the answer runs once as a module per evaluation
 (imports and helpers visible), the first ```python block is taken, no deny-list.
 Both: a case passes only when the reference returned a value that is not None (DESIGN.md) and the
@@ -326,6 +333,9 @@ class Evaluator:
         self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout_s = float(timeout_s)
         self.compat = compat
+        if compat == "sweet_rl" and official_exec_warning() is not None:
+            warnings.warn(official_exec_warning(), RuntimeWarning, stacklevel=2)
+            print("WARNING: " + official_exec_warning(), file=sys.stderr, flush=True)
         self.memory_mb = int(memory_mb)
         self._references = collections.OrderedDict()
         self._max_cached = max_cached_references
@@ -488,7 +498,7 @@ class Evaluator:
                 status, value = answer["cases"][i]
                 if status != "ok":
                     outcome, message = status, value
-                elif values_equal_safe(ref_value, value):
+                elif values_equal_safe(ref_value, value, self.compat):
                     outcome, message = "pass", None
                 else:
                     outcome, message = "wrong", None
@@ -501,8 +511,23 @@ class Evaluator:
         return Score(reward, passed, total, "ok", {**base, "cases": cases})
 
 
-def values_equal_safe(expected, actual):
+OFFICIAL_EXEC_WARNING = (
+    "compat='sweet_rl' on Python {version}: the official evaluator execs the answer into a function's locals "
+    "and evals the call there; from Python 3.13 (PEP 667) that eval no longer sees the answer's function, so the "
+    "official code run on this Python scores every answer 0. sweet_jax scores as the official code did on "
+    "Python <= 3.12 (the numbers of the paper); to reproduce a run of the official code on {version}, expect 0.")
+
+
+def official_exec_warning(version_info=None):
+    """The warning for compat='sweet_rl' on Python >= 3.13 (None below 3.13)."""
+    v = version_info or sys.version_info
+    return OFFICIAL_EXEC_WARNING.format(version=f"{v[0]}.{v[1]}") if tuple(v[:2]) >= (3, 13) else None
+
+
+def values_equal_safe(expected, actual, compat="strict"):
     try:
+        if compat == "sweet_rl":
+            return protocol.values_equal_official(expected, actual)
         return protocol.values_equal(expected, actual)
     except RecursionError:  # cannot happen within MAX_DEPTH, kept as a guard
         return False

@@ -11,12 +11,22 @@ Tags (one JSON list per value):
     ["c", re_hex, im_hex] complex               ["s", "text"] str      ["y", "00ff"] bytes (hex)
     ["l", [...]] list   ["t", [...]] tuple      ["S", [...]] set       ["F", [...]] frozenset
     ["d", [[k, v], ...]] dict (insertion order kept, but dict equality ignores order, as in Python)
+    ["N", "math"] the NaN object math.nan (or "numpy": numpy.nan); compat="sweet_rl" only, see below
 
 Equality rule (``values_equal``), the same in both compat modes: Python ``==`` on these plain
 values, with NaN never equal to anything (also not inside containers, where Python's identity
 shortcut would otherwise make ``[x] == [x]`` true for the same NaN object). Consequences, tested in
 tests/test_sandbox.py: ``1 == 1.0 == True`` (and ``0 == -0.0 == False``), ``(1, 2) != [1, 2]``,
 ``{'a': 1, 'b': 2} == {'b': 2, 'a': 1}``, ``{1} == frozenset({1})``, ``'a' != b'a'``.
+
+compat="sweet_rl" compares as the official evaluator, by Python ``==`` (``values_equal_official``),
+still on plain values only. Before encoding, the child turns well-known value types into the plain values
+Python ``==`` treats them as (``official_plain``): numpy scalars and arrays (``.item()`` / ``.tolist()``,
+only for objects of the real, compiled numpy), Counter / OrderedDict / defaultdict (dict), namedtuples
+(tuple), Decimal / Fraction (int or float when exact). User-defined classes stay refused: whatever a
+conversion returns must itself be plain data. NaN: the same NaN object in the reference's and the
+answer's value (math.nan, numpy.nan) travels as ["N", name] and decodes to one shared object, so a
+container holding it compares equal, as Python's identity shortcut makes it in the official process.
 
 This module is also imported, stand-alone, by the worker script (sandbox/_worker.py), so it
 depends on the standard library only.
@@ -36,6 +46,9 @@ MAX_INT_DIGITS = 4300  # Python's own default int <-> str limit
 # makes building the set cost another probe per member: quadratic without this cap.
 MAX_SHARED_HASH = 8
 
+# One NaN object per name on the trainer's side: the reference's and the answer's decode to the same one.
+SHARED_NANS = {"math": float("nan"), "numpy": float("nan")}
+
 _HEADER = struct.Struct(">I")
 
 
@@ -47,8 +60,9 @@ class ValueRejected(Exception):
 # Encoding (runs inside the sandboxed child)
 
 
-def encode_value(value):
-    """Returns the tagged form of a plain value; raises ValueRejected for anything else."""
+def encode_value(value, shared_nans=()):
+    """Returns the tagged form of a plain value; raises ValueRejected for anything else.
+    shared_nans: (name, NaN object) pairs sent as ["N", name] when the value holds that very object."""
     nodes = [0]
 
     def enc(x, depth):
@@ -70,6 +84,9 @@ def encode_value(value):
             except ValueError:  # the interpreter's int -> str digit limit
                 raise ValueRejected(f"int with more than {MAX_INT_DIGITS} digits") from None
         if t is float:
+            for name, nan in shared_nans:
+                if x is nan:
+                    return ["N", name]
             return ["f", x.hex()]
         if t is complex:
             return ["c", x.real.hex(), x.imag.hex()]
@@ -91,6 +108,74 @@ def encode_value(value):
                             "complex, str, bytes, list, tuple, set, frozenset, dict)")
 
     return enc(value, 0)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: classes made by a class statement or type(); never numpy's own
+
+
+def _static_type(t):
+    return not (type.__getattribute__(t, "__flags__") & _HEAPTYPE)
+
+
+def _real_numpy(modules):
+    """numpy as imported by the answer, if it is the compiled one (its array and scalar base types are
+    static C types, which no Python-level stand-in can be)."""
+    np = modules.get("numpy")
+    try:
+        if np is not None and _static_type(np.ndarray) and _static_type(np.generic):
+            return np
+    except Exception:
+        pass
+    return None
+
+
+def shared_nans(modules):
+    """The NaN objects the official process shares between the reference and the answer."""
+    out = [("math", math.nan)]
+    np = _real_numpy(modules)
+    nan = getattr(np, "nan", None) if np is not None else None
+    if type(nan) is float and nan != nan:
+        out.append(("numpy", nan))
+    return tuple(out)
+
+
+def official_plain(value, modules, depth=0):
+    """compat="sweet_rl", inside the child: well-known value types -> the plain values Python == equates them
+    with (see the module docstring); anything else is returned as it is (encode_value then refuses it)."""
+    import collections
+    import fractions
+
+    if depth > MAX_DEPTH:
+        return value
+    t = type(value)
+    if t in (list, tuple, set, frozenset):
+        return t(official_plain(v, modules, depth + 1) for v in value)
+    if t in (dict, collections.Counter, collections.OrderedDict, collections.defaultdict):
+        return {official_plain(k, modules, depth + 1): official_plain(v, modules, depth + 1)
+                for k, v in dict.items(value)}
+    np = _real_numpy(modules)
+    if np is not None and _static_type(t) and isinstance(value, (np.ndarray, np.generic)):
+        return official_plain(value.tolist() if isinstance(value, np.ndarray) else value.item(), modules, depth + 1)
+    if issubclass(t, tuple) and type.__getattribute__(t, "__bases__") == (tuple,) and hasattr(t, "_fields") \
+            and "__eq__" not in type.__getattribute__(t, "__dict__"):
+        return tuple(official_plain(v, modules, depth + 1) for v in tuple.__iter__(value))  # a namedtuple
+    decimal = modules.get("decimal")
+    if t is fractions.Fraction or (decimal is not None and t is getattr(decimal, "Decimal", None)):
+        try:
+            exact = fractions.Fraction(value)
+        except (ValueError, OverflowError, TypeError):  # NaN / infinite Decimal: left for encode to refuse
+            return value
+        if exact.denominator == 1:
+            return int(exact)
+        as_float = float(exact)
+        return as_float if fractions.Fraction(as_float) == exact else value
+    return value
+
+
+def values_equal_official(expected, actual):
+    """compat="sweet_rl": Python == on plain decoded values, as the official evaluator compares (NaN unequal
+    to itself, but a container holding one shared NaN object equal to another holding it)."""
+    return expected == actual
 
 
 def _type_name(t):
@@ -131,6 +216,8 @@ def decode_value(tagged):
                 return int(x[1])
             if tag == "f" and n == 2 and type(x[1]) is str and len(x[1]) < 64:
                 return float.fromhex(x[1])
+            if tag == "N" and n == 2 and type(x[1]) is str and x[1] in SHARED_NANS:
+                return SHARED_NANS[x[1]]
             if tag == "c" and n == 3 and type(x[1]) is str and type(x[2]) is str:
                 return complex(float.fromhex(x[1][:64]), float.fromhex(x[2][:64]))
             if tag == "s" and n == 2 and type(x[1]) is str:
