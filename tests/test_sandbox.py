@@ -232,6 +232,7 @@ def _hostile_programs(sentinels):
             "        try:\n            os.write(fd, len(body).to_bytes(4, 'big') + body)\n"
             "        except OSError:\n            pass\n    return None\n")
            for kind, value in _FORGED_VALUES.items()},
+        "memory_in_8_processes": _MEMORY_HOG.replace("return held", "return a + b if held == 8 else None"),
         "reads_files_left_by_the_previous_evaluation": (
             "import os\ndef f(a, b):\n"
             "    return a + b if os.path.exists('/tmp/leak.txt') or os.path.exists('/dev/shm/leak') else None\n"),
@@ -319,17 +320,17 @@ def test_forged_result_frames_fail_their_case_without_costing_the_trainer(evalua
 def test_one_time_budget_per_evaluation_ends_a_hang_in_every_case():
     """Module-level code using most of timeout_s, then a hang in every case: each case would cost
     a timeout plus a re-run of the module; the evaluation's budget ends it, and it scores 0."""
-    timeout_s, n = 0.3, 12
+    timeout_s, n = 0.3, 16
     task = {"ground_truth": "def f(i):\n    return i\n", "test_cases": {str(i): f"f({i})" for i in range(n)}}
-    answer = "import time\ntime.sleep(0.25)\ndef f(i):\n    while True:\n        pass\n"
+    answer = "import time\ntime.sleep(0.15)\ndef f(i):\n    while True:\n        pass\n"
     with Evaluator(workers=1, timeout_s=timeout_s) as ev:
         start = time.monotonic()
         score = ev.score(task, answer)
         elapsed = time.monotonic() - start
         assert (score.status, score.reward) == ("ok", 0.0)
         outcomes = [c["outcome"] for c in score.details["cases"]]
-        assert set(outcomes) == {"timeout"}
-        assert "budget" in score.details["cases"][-1]["message"]
+        assert set(outcomes) == {"timeout"}, score
+        assert "budget" in score.details["cases"][-1]["message"], score
         assert elapsed < (n + 1) * timeout_s + SLACK_S
         assert ev.score(task, "def f(i):\n    return i\n").reward == 1.0
 
@@ -464,23 +465,120 @@ def test_sweet_rl_compat_matches_the_official_rules_on_benign_answers():
         assert [s.reward for s in official.score_many([(task, a) for a in answers])] == expected
 
 
-def test_an_interpreter_under_tmp_still_gets_full_isolation(tmp_path):
-    """CI builds its venv in a temporary directory: the private /tmp must not clash with that prefix."""
+_PLACEMENT_SCRIPT = """
+import json, sys
+from sweet_jax.sandbox import Evaluator
+add = {'ground_truth': 'def f(a, b):\\n    return a + b\\n', 'test_cases': {'t1': 'f(1, 2)', 't2': 'f(2, 3)'}}
+answers = [
+    'def f(a, b):\\n    return a + b',
+    'import numpy\\ndef f(a, b):\\n    return int(numpy.add(numpy.int64(a), b))',
+    # walks the interpreter's prefixes and the packages for the task data a `pip install .` ships
+    'import os, sys\\ndef f(a, b):\\n    found = []\\n'
+    '    for top in (sys.prefix, sys.exec_prefix, sys.base_prefix, "/sandbox-packages", "/usr/local/lib"):\\n'
+    '        for root, dirs, files in os.walk(top):\\n'
+    '            found += [x for x in files + dirs if x in ("tasks.jsonl", "sweet_jax")]\\n'
+    '    return a + b if found else None',
+    'import sweet_jax\\ndef f(a, b):\\n    return a + b',
+]
+with Evaluator(workers=1, timeout_s=5.0) as ev:
+    scores = ev.score_many([(add, a) for a in answers])
+    print(json.dumps([ev.mode, [s.status for s in scores], [s.reward for s in scores]]))
+"""
+
+
+def test_the_same_answer_scores_the_same_wherever_the_interpreter_lives(tmp_path):
+    """Venvs under /tmp (as CI makes them) and under /var/tmp, each holding numpy and a copy of the
+    sweet_jax package with its demo task data, as a non-editable `pip install .` leaves it, and
+    the repository's venv: inside, the standard library plus numpy, and no reference solution."""
     import pathlib
+    import shutil
     import subprocess
     import sys
     import tempfile
 
-    venv = pathlib.Path(tempfile.mkdtemp(dir="/tmp")) / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    import numpy
+
     repo = pathlib.Path(__file__).resolve().parents[1]
-    script = ("from sweet_jax.sandbox import Evaluator\n"
-              "with Evaluator(workers=1) as ev:\n"
-              "    s = ev.score({'ground_truth': 'def f(a, b):\\n    return a + b\\n',\n"
-              "                  'test_cases': {'t1': 'f(1, 2)', 't2': 'f(2, 3)'}}, 'def f(a, b):\\n    return a + b')\n"
-              "    print(ev.mode, s.status, s.reward)\n")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(repo)}
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", script], env=env, capture_output=True,
-                         text=True, timeout=120)
+    numpy_dir = pathlib.Path(numpy.__file__).resolve().parent
+    results = {}
+    made = []
+    try:
+        for where in ("/tmp", "/var/tmp"):
+            venv = pathlib.Path(tempfile.mkdtemp(dir=where, prefix="sweet_jax_venv_"))
+            made.append(venv)
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+            site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+            shutil.copytree(numpy_dir, site / "numpy")
+            if (numpy_dir.parent / "numpy.libs").is_dir():
+                shutil.copytree(numpy_dir.parent / "numpy.libs", site / "numpy.libs")
+            shutil.copytree(repo / "sweet_jax", site / "sweet_jax",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            assert (site / "sweet_jax" / "data" / "demo" / "tasks.jsonl").exists()
+            out = subprocess.run([str(venv / "bin" / "python"), "-c", _PLACEMENT_SCRIPT],
+                                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, cwd="/",
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            results[where] = out.stdout.strip().splitlines()[-1]
+    finally:
+        for venv in made:
+            shutil.rmtree(venv, ignore_errors=True)
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT_SCRIPT], env={
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(repo)}, capture_output=True,
+        text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["isolated", "ok", "1.0"]
+    results["repository venv"] = out.stdout.strip().splitlines()[-1]
+    expected = '["isolated", ["ok", "ok", "ok", "ok"], [1.0, 1.0, 0.0, 0.0]]'
+    assert results == {where: expected for where in results}
+
+
+def test_no_ipc_object_outlives_its_evaluation():
+    """SysV shared memory, semaphores and message queues made by one evaluation are gone for the next
+    (same worker): no channel between evaluations, and no memory held past them."""
+    task = {"ground_truth": "def f():\n    return 1\n", "test_cases": {"c": "f()"}}
+    make = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
+            "def f():\n    shm = libc.shmget(0x5eed, 1 << 20, 0o1666)\n"
+            "    ctypes.memset(libc.shmat(shm, None, 0), 7, 1 << 20)\n"
+            "    ids = [shm, libc.semget(0x5eed, 1, 0o1666), libc.msgget(0x5eed, 0o1666)]\n"
+            "    return 1 if min(ids) >= 0 else -1\n")
+    find = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "def f():\n    ids = [libc.shmget(0x5eed, 0, 0o666), libc.semget(0x5eed, 0, 0o666),\n"
+            "           libc.msgget(0x5eed, 0o666)]\n"
+            "    return 1 if max(ids) >= 0 else None\n")
+    with Evaluator(workers=1, timeout_s=TIMEOUT_S) as ev:
+        assert ev.score(task, make).reward == 1.0  # they were made (and filled)
+        assert ev.score(task, find).reward == 0.0
+        assert ev.score(task, make).reward == 1.0  # and can be made again: the key is free
+
+
+_MEMORY_HOG = (
+    "import os, select, time\ndef f(a, b):\n    r, w = os.pipe()\n"
+    "    for _ in range(8):\n        try:\n            pid = os.fork()\n        except OSError:\n"
+    "            break\n        if pid == 0:\n"
+    "            x = bytearray(150 << 20)\n            for i in range(0, len(x), 4096):\n"
+    "                x[i] = 1\n            os.write(w, b'1')\n            time.sleep(3)\n"
+    "            os._exit(0)\n"
+    "    held, end = 0, time.monotonic() + 0.8\n"
+    "    while held < 8 and select.select([r], [], [], max(0, end - time.monotonic()))[0]:\n"
+    "        held += len(os.read(r, 8))\n"
+    "    return held\n")
+
+
+def test_one_memory_bound_per_evaluation_across_its_processes():
+    """8 processes x 150 MB with memory_mb=384: with a memory cgroup at most 2 of them hold their
+    memory at once; without one, at most 8 processes of 384 MB each (one is the answer's own)."""
+    task = {"ground_truth": "def f(a, b):\n    return 8\n", "test_cases": {"c": "f(1, 2)"}}
+    for cgroup in (True, False):
+        with Evaluator(workers=1, timeout_s=2.0, memory_mb=384, memory_cgroup=cgroup) as ev:
+            reference = ev.score(task, "def f(a, b):\n    return 8\n")
+            assert reference.reward == 1.0
+            has_cgroup = "memory cgroup per evaluation" in ev.isolation["isolation"]
+            if cgroup:
+                assert has_cgroup == (ev._cgroups is not None)
+            else:
+                assert not has_cgroup
+            held = ev.reference_outputs({"ground_truth": _MEMORY_HOG, "test_cases": {"c": "f(1, 2)"}})
+            assert held[0][1] == "ok", held
+            assert held[0][2] <= (384 // 150 if has_cgroup else 7), (cgroup, held)
+            assert ev.score(task, _MEMORY_HOG).reward == 0.0
+
+

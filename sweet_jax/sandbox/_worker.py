@@ -163,13 +163,49 @@ _DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 def _interpreter_paths():
-    """The interpreter's prefixes (stdlib, site-packages); not the rest of sys.path (a source
-    checkout installed in editable mode, for instance, stays outside)."""
-    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
-    # A prefix under /tmp (a venv made in a temporary directory, as CI does) would lie beneath the private
-    # /tmp and clash with its mount point; the worker has imported what it needs by then (stdlib only), so
-    # such a prefix is left out: answers then see the base interpreter's stdlib, not the venv's packages.
+    """The base interpreter's prefixes (its standard library). Not a virtual environment's prefix,
+    and not the rest of sys.path: a source checkout, an editable install or a package installed
+    with `pip install .` (its data files: reference solutions) stays outside."""
+    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    # A prefix under /tmp would lie beneath the private /tmp and clash with its mount point; the
+    # worker has imported what it needs by then (stdlib only), so such a prefix is left out.
     return sorted(p for p in paths if os.path.isdir(p) and not (p == "/tmp" or p.startswith("/tmp/")))
+
+
+# Third-party packages answers may import: these only, bind-mounted at one fixed path wherever the
+# trainer's environment keeps them (a venv in the repository, under /tmp, or none: then absent).
+SANDBOX_PACKAGES = ("numpy",)
+PACKAGES_DIR = "/sandbox-packages"
+
+
+def _package_dirs():
+    """[(name, host directory)] of SANDBOX_PACKAGES and the shared libraries their wheels carry."""
+    import importlib.util
+
+    found = []
+    for name in SANDBOX_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        package = os.path.realpath(list(spec.submodule_search_locations)[0])
+        found.append((name, package))
+        libs = os.path.join(os.path.dirname(package), name + ".libs")  # manylinux wheels: $ORIGIN/../../numpy.libs
+        if os.path.isdir(libs):
+            found.append((name + ".libs", os.path.realpath(libs)))
+    return found
+
+
+def _site_dirs():
+    """Every site-packages / dist-packages directory of this interpreter (to be hidden)."""
+    import site
+
+    prefixes = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    dirs = set(site.getsitepackages(list(prefixes)))
+    dirs.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
+    return sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
 
 
 def _setup_host_mounts():
@@ -185,6 +221,9 @@ def _setup_host_mounts():
             binds.append((path, os.readlink(path)))  # /bin -> usr/bin on merged-/usr systems
         elif os.path.isdir(path):
             binds.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+    packages = [(f"{PACKAGES_DIR}/{name}", os.open(path, os.O_PATH | os.O_DIRECTORY))
+                for name, path in _package_dirs()]
+    hidden = _site_dirs()
     devices = [(f"/dev/{d}", os.open(f"/dev/{d}", os.O_PATH)) for d in _DEVICES
                if os.path.exists(f"/dev/{d}")]
     root = "/tmp"  # our mount namespace's /tmp: the host's stays untouched
@@ -199,6 +238,13 @@ def _setup_host_mounts():
             continue
         os.makedirs(target, mode=0o755, exist_ok=True)
         _mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
+        os.close(source)
+    for path in hidden:  # an empty, read-only directory over each site-packages bound above
+        if os.path.isdir(root + path):
+            _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0555")
+    for path, source in packages:
+        os.makedirs(root + path, mode=0o755)
+        _mount(f"/proc/self/fd/{source}", root + path, None, MS_BIND | MS_REC)
         os.close(source)
     os.makedirs(root + "/dev/shm", mode=0o755)
     for path, fd in devices:
@@ -220,6 +266,18 @@ def _setup_host_mounts():
     attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)  # devices: /dev/null
     _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
                          ctypes.sizeof(attr)), "mount_setattr(/, read-only, recursive)")
+
+
+def _sandbox_import_path():
+    """Inside: the standard library, then PACKAGES_DIR; no site-packages (they are hidden)."""
+    sys.path[:] = [p for p in sys.path if os.path.exists(p) and os.path.basename(p) not in
+                   ("site-packages", "dist-packages")] + [PACKAGES_DIR]
+    # Finders that site-packages installed (an editable install's, say) go with them.
+    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__module__", "").startswith(
+        ("_frozen_importlib", "importlib"))]
+    sys.path_hooks[:] = [h for h in sys.path_hooks if getattr(h, "__module__", "").startswith(
+        ("_frozen_importlib", "importlib", "zipimport"))]
+    sys.path_importer_cache.clear()
 
 
 def _setup_sandbox_mounts():
@@ -330,7 +388,18 @@ def _describe(exc):
         return "exception"
 
 
-def _child_main(request, start, result_fd, child_uid, devnull):
+# Processes (and threads: RLIMIT_NPROC counts both) of one evaluation. Without a memory cgroup,
+# each has RLIMIT_AS = memory_mb, so an evaluation holds at most MAX_PROCESSES x memory_mb.
+MAX_PROCESSES = 8
+MAX_PROCESSES_WITH_CGROUP = 32
+
+
+def _child_main(request, start, result_fd, child_uid, devnull, cgroup_fd):
+    if cgroup_fd is not None:
+        # Into the evaluation's memory cgroup, before anything else runs: every process the answer
+        # starts inherits it, and the cgroup bounds their memory together. (The fd was opened by
+        # host root before isolation; the kernel checks the opener's credentials.)
+        os.write(cgroup_fd, b"0")
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.closerange(3, result_fd)
@@ -344,7 +413,7 @@ def _child_main(request, start, result_fd, child_uid, devnull):
         (resource.RLIMIT_CPU, int(request["timeout_s"] * (n_calls + 1)) + 2),
         (resource.RLIMIT_FSIZE, 1 << 20),
         (resource.RLIMIT_NOFILE, 64),
-        (resource.RLIMIT_NPROC, 32),
+        (resource.RLIMIT_NPROC, MAX_PROCESSES_WITH_CGROUP if cgroup_fd is not None else MAX_PROCESSES),
         (resource.RLIMIT_STACK, 64 << 20),
         (resource.RLIMIT_CORE, 0),
         (resource.RLIMIT_MEMLOCK, 0),
@@ -433,12 +502,18 @@ def get_function_output(function_definition, test_case):
 
 
 class Zygote:
-    def __init__(self, isolated, child_uid):
+    def __init__(self, isolated, child_uid, cgroup_fd=None):
         self.isolated = isolated
         self.child_uid = child_uid
+        self.cgroup_fd = cgroup_fd
         self.devnull = os.open("/dev/null", os.O_RDWR)
 
     def run(self, request):
+        if self.isolated:
+            # A fresh IPC namespace per evaluation: SysV shared memory, semaphores and message
+            # queues (and POSIX queues) made by this evaluation's processes go with the old one
+            # once they are killed, so none outlives it or reaches the next evaluation.
+            _check(_libc.unshare(CLONE_NEWIPC), "unshare(ipc namespace)")
         calls = request["calls"]
         timeout_s = float(request["timeout_s"])
         strict = request["mode"] != "sweet_rl"
@@ -471,7 +546,7 @@ class Zygote:
         if pid == 0:
             os.close(read_fd)
             try:
-                _child_main(request, start, write_fd, self.child_uid, self.devnull)
+                _child_main(request, start, write_fd, self.child_uid, self.devnull, self.cgroup_fd)
             finally:
                 os._exit(1)
         os.close(write_fd)
@@ -675,8 +750,16 @@ def _zygote_loop(zygote, report):
         _send(zygote.run(request))
 
 
+def _open_cgroup(path):
+    """O_WRONLY fd of a memory cgroup's cgroup.procs (opened now, as host root), or None."""
+    if path == "-":
+        return None
+    return os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+
+
 def main():
     mode, uid_base = sys.argv[1], int(sys.argv[2])
+    cgroup_path = sys.argv[3] if len(sys.argv) > 3 else "-"
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if mode == "unavailable":  # lets tests exercise the trainer's handling of a failed setup
         _send({"k": "setup_error", "error": "isolation unavailable (simulated)"})
@@ -684,11 +767,13 @@ def main():
     if mode == "degraded":
         is_root = os.geteuid() == 0
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        zygote = Zygote(isolated=False, child_uid=uid_base + 1 if is_root else None)
+        zygote = Zygote(isolated=False, child_uid=uid_base + 1 if is_root else None,
+                        cgroup_fd=_open_cgroup(cgroup_path))
         _zygote_loop(zygote, {"mode": "degraded", "child_uid_host": zygote.child_uid, "isolation": [
             "child processes", "rlimits", "process group kill"] + (["separate uid"] if is_root else [])})
         return
     try:
+        cgroup_fd = _open_cgroup(cgroup_path)
         _enter_namespaces(uid_base)
     except OSError as e:
         _send({"k": "setup_error", "error": str(e)})
@@ -698,14 +783,18 @@ def main():
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             _setup_sandbox_mounts()
+            _sandbox_import_path()
             _libc.sethostname(b"sandbox", 7)
-            zygote = Zygote(isolated=True, child_uid=CHILD_UID_INSIDE)
+            zygote = Zygote(isolated=True, child_uid=CHILD_UID_INSIDE, cgroup_fd=cgroup_fd)
         except OSError as e:
             _send({"k": "setup_error", "error": str(e)})
             os._exit(3)
         _zygote_loop(zygote, {"mode": "isolated", "child_uid_host": uid_base + 1, "isolation": [
             "user/mount/net/ipc/uts/pid namespaces", "read-only root", "private /tmp",
             "no network", "empty environment", f"uid {CHILD_UID_INSIDE} (host {uid_base + 1})",
+            "ipc namespace per evaluation", "stdlib + " + ", ".join(SANDBOX_PACKAGES) + " only",
+            "memory cgroup per evaluation" if cgroup_fd is not None
+            else f"at most {MAX_PROCESSES} processes x RLIMIT_AS",
             "no_new_privs", "seccomp deny-list" if _SECCOMP_FILTER else "no seccomp (not x86_64)",
             "rlimits", "namespace-wide SIGKILL"]})
         os._exit(0)

@@ -41,6 +41,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -171,14 +172,96 @@ class _WorkerFailed(Exception):
     pass
 
 
+_CGROUP_NUMBERS = itertools.count()  # unique cgroup names across the Evaluators of a process
+
+
+class _MemoryCgroups:
+    """One memory cgroup per worker, so per evaluation (a worker runs one at a time), limiting all
+    of its sandboxed processes together. Made beneath this process's own cgroup, in the cgroup v2
+    hierarchy where the memory controller is delegated to it, else in the v1 memory hierarchy
+    where it may write there; `available` is False otherwise (then rlimits bound each process)."""
+
+    def __init__(self):
+        self.base, self.version = self._find()
+        self.available = self.base is not None
+
+    @staticmethod
+    def _find():
+        try:
+            with open("/proc/self/cgroup") as f:
+                lines = [line.rstrip("\n").split(":", 2) for line in f]
+            with open("/proc/self/mountinfo") as f:
+                mounts = [line.split() for line in f]
+        except OSError:
+            return None, None
+        for version in (2, 1):
+            for hierarchy, controllers, path in lines:
+                if version == 2 and (hierarchy, controllers) != ("0", ""):
+                    continue
+                if version == 1 and "memory" not in controllers.split(","):
+                    continue
+                for m in mounts:
+                    sep = m.index("-")
+                    fstype, options = m[sep + 1], m[sep + 3].split(",") if len(m) > sep + 3 else []
+                    if m[3] != "/" or (version == 2 and fstype != "cgroup2") or (
+                            version == 1 and (fstype != "cgroup" or "memory" not in options)):
+                        continue
+                    base = os.path.join(m[4], path.lstrip("/"))
+                    try:
+                        with open(os.path.join(base, "cgroup.procs")) as f:
+                            if str(os.getpid()) not in f.read().split():
+                                continue
+                        if version == 2:
+                            with open(os.path.join(base, "cgroup.subtree_control")) as f:
+                                if "memory" not in f.read().split():
+                                    continue
+                    except OSError:
+                        continue
+                    if os.access(base, os.W_OK):
+                        return base, version
+        return None, None
+
+    def create(self, limit_mb):
+        """A new cgroup limited to limit_mb (swap included); its path, or None if that failed."""
+        path = os.path.join(self.base, f"sweet_jax_sandbox_{os.getpid()}_{next(_CGROUP_NUMBERS)}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            return None
+        files = ({"memory.max": limit_mb << 20, "memory.swap.max": 0} if self.version == 2 else
+                 {"memory.limit_in_bytes": limit_mb << 20, "memory.memsw.limit_in_bytes": limit_mb << 20})
+        try:
+            for name, value in files.items():
+                if os.path.exists(os.path.join(path, name)):  # no swap accounting: nothing to set
+                    with open(os.path.join(path, name), "w") as f:
+                        f.write(str(value))
+        except OSError:
+            self.remove(path)
+            return None
+        return path
+
+    @staticmethod
+    def remove(path):
+        for _ in range(200):  # the namespace's processes die just after the worker
+            try:
+                os.rmdir(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
 class _Worker:
     """One worker process tree. Any failure kills it whole; the pool starts a fresh one."""
 
-    def __init__(self, mode, uid_base):
+    def __init__(self, mode, uid_base, cgroups=None, memory_mb=None):
+        self.cgroups = cgroups
+        self.cgroup = cgroups.create(memory_mb) if cgroups is not None else None
         self.process = subprocess.Popen(
-            [sys.executable, "-I", _WORKER_SCRIPT, mode, str(uid_base)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, cwd="/", close_fds=True,
-            start_new_session=True)
+            [sys.executable, "-I", _WORKER_SCRIPT, mode, str(uid_base), self.cgroup or "-"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
+            cwd="/", close_fds=True, start_new_session=True)
         try:
             self.report = self._read(time.monotonic() + _STARTUP_TIMEOUT_S)
         except _WorkerFailed as e:
@@ -239,13 +322,18 @@ class _Worker:
             except OSError:
                 pass
         self.process.wait()
+        if self.cgroup is not None:
+            self.cgroups.remove(self.cgroup)
+            self.cgroup = None
 
 
 class _Pool:
     """Up to `size` workers; a worker that failed is replaced by a fresh one on next use."""
 
-    def __init__(self, mode, size, uid_offset):
+    def __init__(self, mode, size, uid_offset, cgroups=None, memory_mb=None):
         self.mode = mode
+        self.cgroups = cgroups
+        self.memory_mb = memory_mb
         self.size = size
         self.idle = queue.Queue()
         self.uid_offset = uid_offset
@@ -258,7 +346,7 @@ class _Pool:
         # Distinct unprivileged host uids per worker (and per process, mostly): the zygote maps
         # to uid_base, its children to uid_base + 1.
         uid_base = 100_000 + (os.getpid() % 10_000) * 4096 + (self.uid_offset + slot % 1024) * 2
-        worker = _Worker(self.mode, uid_base)
+        worker = _Worker(self.mode, uid_base, self.cgroups, self.memory_mb)
         worker.slot = slot
         with self.lock:
             self.all.append(worker)
@@ -319,13 +407,18 @@ class Evaluator:
     compat: "strict" (our rules) or "sweet_rl" (the official evaluator's scoring, see module doc).
     degraded_ok: where namespaces are unavailable, run without them (labelled 'degraded' in every
         Score's details) instead of raising SandboxUnavailableError.
-    memory_mb: address-space limit of each child.
+    memory_mb: memory of one evaluation. Where a memory cgroup can be made (cgroup v2 with the
+        memory controller delegated to this process's cgroup, or the v1 memory hierarchy writable),
+        all the evaluation's processes together stay within it (the kernel kills one that goes
+        over: its case fails); it is also each process's address-space limit (RLIMIT_AS). Without
+        a cgroup, RLIMIT_AS alone with at most 8 processes/threads: 8 x memory_mb in all.
+    memory_cgroup: False to use the rlimits only, even where a cgroup could be made.
     force_degraded: use the degraded mode even where isolation works (to test it).
     """
 
     def __init__(self, *, workers=None, timeout_s=2.0, compat="strict", degraded_ok=False,
-                 memory_mb=1024, force_degraded=False, max_cached_references=200_000,
-                 _isolated_mode="isolated"):
+                 memory_mb=1024, memory_cgroup=True, force_degraded=False,
+                 max_cached_references=200_000, _isolated_mode="isolated"):
         if compat not in ("strict", "sweet_rl"):
             raise SandboxError(f"compat must be 'strict' or 'sweet_rl', got {compat!r}")
         if not timeout_s > 0:
@@ -341,8 +434,11 @@ class Evaluator:
         self._max_cached = max_cached_references
         self._cache_lock = threading.Lock()
         mode = "degraded" if force_degraded else _isolated_mode
+        cgroups = _MemoryCgroups() if memory_cgroup else None
+        self._cgroups = cgroups if cgroups is not None and cgroups.available else None
+        pool_args = {"cgroups": self._cgroups, "memory_mb": self.memory_mb}
         # Probe now, so a machine without isolation fails here, loudly, not mid-training.
-        probe = _Pool(mode, self.workers, uid_offset=0)
+        probe = _Pool(mode, self.workers, uid_offset=0, **pool_args)
         try:
             probe.idle.put(probe._new_worker(0))
             probe.started = 1
@@ -352,13 +448,13 @@ class Evaluator:
             warnings.warn("sandbox isolation unavailable: running in DEGRADED mode (child processes "
                           "and rlimits only, no namespaces)", RuntimeWarning, stacklevel=2)
             mode = "degraded"
-            probe = _Pool(mode, self.workers, uid_offset=0)
+            probe = _Pool(mode, self.workers, uid_offset=0, **pool_args)
             probe.idle.put(probe._new_worker(0))
             probe.started = 1
         self.mode = mode
         self.isolation = probe.all[0].report
         self._answers = probe
-        self._reference_pool = _Pool(mode, self.workers, uid_offset=1024)
+        self._reference_pool = _Pool(mode, self.workers, uid_offset=1024, **pool_args)
         self._executor = concurrent.futures.ThreadPoolExecutor(2 * self.workers)
 
     # -- public API --------------------------------------------------------------------------
