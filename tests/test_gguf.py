@@ -6,17 +6,22 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import subprocess
+import sys
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import sentencepiece
 import torch
 import transformers
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from sweet_jax.data import tokenizers as tokenizers_lib
+from sweet_jax import sharding
 from sweet_jax.data import demo
+from sweet_jax.data import tokenizers as tokenizers_lib
 from sweet_jax.models import gguf as gguf_lib
 from sweet_jax.models.hf import UnsupportedModelError, _tensor_entries, load_hf
 from sweet_jax.models.llama import LlamaConfig
@@ -140,6 +145,27 @@ def test_tiny_gguf_logits_match_transformers_gguf_loading(tiny_files, style):
     assert (model.config.num_heads, model.config.num_kv_heads) == ((4, 2) if style == "llama32" else (4, 4))
     theirs = torch_logits(transformers_from_gguf(path), IDS)
     assert np.abs(np.asarray(model(IDS)) - theirs).max() < 1e-4
+
+
+def test_sharded_scanned_gguf_load_is_laid_out_by_the_rules_with_the_same_logits(tiny_files):
+    mesh = sharding.make_mesh((1, 4, 2))
+    model = gguf_lib.load_gguf(tiny_files["llama2"], mesh=mesh, config_overrides={"scan_layers": True})
+    q = model.layers.attn.q_proj.kernel[...]  # [L, D, N, H], stacked layer by layer through hf.load_params
+    assert q.sharding.spec == PartitionSpec(None, "fsdp", "tensor", None) and len(q.sharding.device_set) == 8
+    np.testing.assert_allclose(jax.jit(lambda ids: model(ids))(IDS), gguf_lib.load_gguf(tiny_files["llama2"])(IDS),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_import_and_conversion_run_without_torch(tiny_files, tmp_path):
+    script = (
+        "import sys; sys.modules['torch'] = None\n"  # every `import torch` now raises ImportError
+        "from sweet_jax.models import gguf\n"
+        f"gguf.load_gguf({str(tiny_files['llama2'])!r}); gguf.load_gguf_tokenizer({str(tiny_files['llama2'])!r})\n"
+        f"gguf.gguf_to_hf({str(tiny_files['llama2'])!r}, {str(tmp_path / 'hf')!r})\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 def test_qk_unpermute_inverts_llama_cpp_permute():
