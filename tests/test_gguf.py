@@ -227,22 +227,61 @@ def test_add_bos_token_metadata_prepends_bos(tiny_files):
     assert gguf_lib.load_gguf_tokenizer(tiny_files["llama32"])("hi")["input_ids"][0] != ours.bos_token_id
 
 
-def test_llama3_rope_freqs_tensor_becomes_llama3_rope_scaling(tmp_path):
-    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
-    divisors = gguf_lib._llama3_divisors(500000.0, 64, scaling)
-    writer = gguf.GGUFWriter(tmp_path / "r.gguf", "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 128),
-                       (writer.add_feed_forward_length, 256), (writer.add_head_count, 2),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 500000.0)):
-        add(value)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 128), np.float32))
-    writer.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
+def write_small_gguf(path, tensors, arch="llama", **metadata) -> pathlib.Path:
+    """A GGUF file with a 1-layer Llama's llama.* metadata (plus `metadata`: writer method suffix -> value) and
+    only the given tensors (name -> array, or (raw bytes, ggml type)): for config and error tests."""
+    writer = gguf.GGUFWriter(path, arch)
+    if arch == "llama":
+        metadata = dict(dict(block_count=1, embedding_length=128, feed_forward_length=256, head_count=2,
+                             layer_norm_rms_eps=1e-5, rope_freq_base=500000.0), **metadata)
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, tuple):
+            writer.add_tensor(name, tensor[0], raw_dtype=tensor[1])
+        else:
+            writer.add_tensor(name, tensor)
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
                  writer.close):
         step()
-    config = gguf_lib.gguf_config(tmp_path / "r.gguf")
-    assert dict(config.rope_scaling) == scaling and config.vocab_size == 16 and config.tie_word_embeddings
+    return pathlib.Path(path)
+
+
+def llama_cpp_rope_factors(theta, head_dim, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """rope_freqs as llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) writes them."""
+    factors = []
+    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_context_len / high_freq_factor:
+            factors.append(1.0)
+        elif wavelen > old_context_len / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1, Llama 3.2
+def test_llama3_rope_freqs_tensor_becomes_llama3_rope_scaling(tmp_path, factor):
+    path = write_small_gguf(tmp_path / "r.gguf", {
+        "token_embd.weight": np.zeros((16, 128), np.float32),
+        "rope_freqs.weight": llama_cpp_rope_factors(500000.0, 64, factor, 1.0, 4.0, 8192)})
+    config = gguf_lib.gguf_config(path)
+    assert dict(config.rope_scaling) == dict(rope_type="llama3", factor=factor, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=8192)
+    assert config.vocab_size == 16 and config.tie_word_embeddings and config.head_dim == 64
+
+
+def test_linear_rope_scaling_metadata_is_read_and_yarn_refused(tmp_path):
+    embedding = {"token_embd.weight": np.zeros((16, 128), np.float32)}
+    linear = write_small_gguf(tmp_path / "l.gguf", embedding, rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                              rope_scaling_factor=4.0)
+    assert dict(gguf_lib.gguf_config(linear).rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    yarn = write_small_gguf(tmp_path / "y.gguf", embedding, rope_scaling_type=gguf.RopeScalingType.YARN,
+                            rope_scaling_factor=4.0)
+    with pytest.raises(UnsupportedModelError, match=r"y\.gguf: llama\.rope\.scaling\.type='yarn'"):
+        gguf_lib.gguf_config(yarn)
 
 
 # --- bad files ----------------------------------------------------------------------------------------------
@@ -258,28 +297,16 @@ def test_not_a_gguf_file_is_one_line_naming_it_exit_2(tmp_path, capsys):
 
 
 def test_non_llama_architecture_is_refused_naming_the_file(tmp_path):
-    writer = gguf.GGUFWriter(tmp_path / "q.gguf", "qwen2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
-                 writer.close):
-        step()
+    path = write_small_gguf(tmp_path / "q.gguf", {"token_embd.weight": np.zeros((4, 8), np.float32)}, arch="qwen2")
     with pytest.raises(UnsupportedModelError, match=r"q\.gguf: general\.architecture='qwen2'"):
-        gguf_lib.load_gguf(tmp_path / "q.gguf")
+        gguf_lib.load_gguf(path)
 
 
 def test_tensor_type_gguf_cannot_dequantise_is_named(tmp_path):
-    writer = gguf.GGUFWriter(tmp_path / "q81.gguf", "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 32),
-                       (writer.add_feed_forward_length, 64), (writer.add_head_count, 2),
-                       (writer.add_layer_norm_rms_eps, 1e-5)):
-        add(value)
     q8_1 = gguf.GGMLQuantizationType.Q8_1  # 32 values a block in 40 bytes; gguf 0.19 cannot dequantise it
-    writer.add_tensor("token_embd.weight", np.zeros((16, 40), np.uint8), raw_dtype=q8_1)
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
-                 writer.close):
-        step()
+    path = write_small_gguf(tmp_path / "q81.gguf", {"token_embd.weight": (np.zeros((16, 40 * 4), np.uint8), q8_1)})
     with pytest.raises(gguf_lib.GGUFError, match=r"q81\.gguf: tensor 'token_embd\.weight' is stored as Q8_1"):
-        gguf_lib.load_gguf(tmp_path / "q81.gguf")
+        gguf_lib.load_gguf(path)
 
 
 def test_file_without_chat_template_is_refused_for_chat(tiny_files, tmp_path):
