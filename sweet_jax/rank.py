@@ -120,16 +120,16 @@ def sample_candidates(sampler, prompts: Sequence[TurnPrompt], *, n: int, max_new
 # ----------------------------------------------------------------------------------------------------------
 
 def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template: str, info_placement: str,
-                    use_info: bool = True, style: str = "reply"):
+                    use_info: bool = True, style: str = "reply", system_prompt: str | None = None):
     """The sequence the critic reads for (c, o_t, a): the reply's tokens carry turn id 1, all others 0.
     style="official": the official ranking script's sequence (data.render.render_official_score: a second BOS,
-    c as a raw prefix, the reply's header tokens scored with the reply, no end-of-turn)."""
+    c as a raw prefix, the reply's header tokens scored with the reply, no end-of-turn) over the prompt text the
+    candidates were sampled from (prompt_ids: the recorded `input`, or the template with system_prompt)."""
     from sweet_jax.data import render
 
     info = prompt.ground_truth if use_info else None
     if style == "official":
-        text = prompt.input_text if prompt.input_text is not None else tokenizer.apply_chat_template(
-            list(prompt.messages), add_generation_prompt=True, tokenize=False)
+        text = prompt_ids(tokenizer, prompt, system_prompt=system_prompt)[1]
         return render.render_official_score(tokenizer, text, reply, info=info, info_template=info_template)
     if prompt.input_text is not None and all(t.input is not None and t.output is not None
                                              for t in prompt.turns if t.role == "assistant"):
@@ -167,13 +167,13 @@ class ReplyScorer:
 
     def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
                  use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
-                 style: str = "reply", temperature: float = 1.0):
+                 style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None):
         from sweet_jax.data.tokenizers import pad_id
 
         self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
         self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
         self.pad = pad_id(tokenizer)
-        self.style = style
+        self.style, self.system_prompt = style, system_prompt
         self.mean_logp = make_mean_logp_fn(model, temperature)
         self.unscorable: list[tuple[tuple[int, int], str]] = []
 
@@ -186,7 +186,7 @@ class ReplyScorer:
             try:
                 seq = critic_sequence(self.tokenizer, prompt, text, info_template=self.info_template,
                                       info_placement=self.info_placement, use_info=self.use_info,
-                                      style=self.style)
+                                      style=self.style, system_prompt=self.system_prompt)
                 if len(seq) > self.max_len:
                     raise RenderError(f"{len(seq)} tokens > max_len={self.max_len}")
             except RenderError as e:
@@ -348,7 +348,8 @@ def run(config) -> dict:
                  info_placement, use_info)
     scorer_kw = dict(info_template=info_template, info_placement=info_placement, use_info=use_info,
                      batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
-                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0))
+                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0),
+                     system_prompt=AGENT_PROMPT if config.agent_prompt else None)
     critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
     reference_logp = None
     if config.rank_reference == "ref_with_info":

@@ -466,3 +466,19 @@ def test_sweet_rl_on_python_313_warns_why_the_official_code_scores_zero():
     assert evaluator.official_exec_warning((3, 12, 0)) is None
     message = evaluator.official_exec_warning((3, 13, 1))
     assert "3.13" in message and "PEP 667" in message and "scores every answer 0" in message
+
+
+def test_official_rank_sequence_of_a_message_form_turn_uses_the_prompt_the_candidates_came_from(tok):
+    from sweet_jax import rank as rank_lib
+    from sweet_jax.data.schema import Trajectory
+
+    traj = Trajectory.from_json({"task": {"problem_description": "Write f.", "ground_truth": "def f(): pass",
+                                          "test_cases": {}},
+                                 "dialogue_history": [{"role": "user", "content": "Write f."},
+                                                      {"role": "assistant", "content": "Which f?"}]})
+    prompt = rank_lib.turn_prompts([traj])[0]
+    _, sampled_from = rank_lib.prompt_ids(tok, prompt, system_prompt="Rules.")
+    seq = rank_lib.critic_sequence(tok, prompt, "The f.", info_template=INFO, info_placement="raw_prefix",
+                                   use_info=False, style="official", system_prompt="Rules.")
+    expected = [tok.bos_token_id] + tok(sampled_from + "The f.", add_special_tokens=False)["input_ids"]
+    assert seq.input_ids.tolist() == expected and "Rules." in sampled_from
