@@ -5,8 +5,8 @@ Presets:
                hidden information); CPU, about a minute. Only shows the machinery: the random policy
                rarely answers, so rewards are ~0.
   demo_server  demo with the simulator behind an OpenAI-compatible endpoint: start one first, e.g.
-               `python -m sweet_jax.serve --model HF_DIR --tokenizer TOKENIZER_DIR --port 8000`
-               (the served model name does not matter to sweet_jax.serve; vLLM wants --config.simulator.model).
+               `python -m sweet_jax.serve --model HF_DIR --tokenizer TOKENIZER_DIR --port 8000
+               --served-model-name sweet_jax` (the name must match --config.simulator.model).
   collect_8b   the paper's data collection: Llama-3.1-8B-Instruct policy (set --config.policy.path), the
                tasks file (--config.tasks), 3 samples per task at temperature 1.0, simulator
                Llama-3.1-70B-Instruct behind an OpenAI-compatible endpoint (vLLM or sweet_jax.serve).

@@ -10,9 +10,12 @@ temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed,
 completions: int); top_k as an extension. Streaming, echo and top-N alternatives (top_logprobs) are not
 served: a request asking for them gets a 400 with the reason.
 
-Batching: each HTTP request is handled on its own thread, validated, and queued; one engine thread takes
-the first queued request, waits `batch_window_s` for more (up to `max_batch_size` sample rows), runs one
-batched `Sampler.generate_requests` over all of them, and hands each request its samples.
+Batching: each HTTP request is handled on its own thread, validated (a 400 naming the field; 404 for a model
+this server does not serve), and queued; an engine thread takes the first queued request, waits
+`batch_window_s` for more (up to `max_batch_size` sample rows), runs one batched `Sampler.generate_requests`
+over all of them, and hands each request its samples. Two engine lanes: requests of more than
+`long_request_rows` sample rows x new tokens run in their own lane, so a long request does not hold short ones
+for its whole length. A batch that fails is re-run request by request: only the failing request gets the error.
 
 In-process (tests, notebooks):
 
@@ -20,17 +23,20 @@ In-process (tests, notebooks):
     client = openai.OpenAI(base_url=server.url, api_key="none")
     server.close()
 
-Only the standard library is used (http.server); nothing else needs installing.
+Only the standard library is used (http.server: a thread per connection, a listen backlog of 1024, read and
+idle timeouts, a body size limit, JSON errors everywhere); nothing else needs installing.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import http
 import http.server
 import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -55,31 +61,47 @@ class BadRequest(SweetJaxError):
 # ----------------------------------------------------------------------------------------------------------
 
 class BatchingEngine:
-    """Collects concurrent requests for a short window and runs them as one batched generate."""
+    """Collects concurrent requests for a short window and runs them as one batched generate.
 
-    def __init__(self, sampler: Sampler, *, max_batch_size: int = 64, batch_window_s: float = 0.01):
+    Two lanes, each its own thread and queue: requests costing more than `long_request_rows` sample rows x
+    new tokens (n=64 with 480 tokens, say) run in the long lane, everything else in the short lane, so a long
+    request never holds short ones for its whole length (the lanes share the device; measured in
+    bench/bench_serve.py). A batch that fails is re-run one request at a time, so only the request that
+    fails gets the error."""
+
+    def __init__(self, sampler: Sampler, *, max_batch_size: int = 64, batch_window_s: float = 0.01,
+                 long_request_rows: int = 4096):
         self.sampler = sampler
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
+        self.long_request_rows = long_request_rows
         self.batch_sizes: list[int] = []  # requests per batched generate call (observability, tests)
-        self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sweet_jax-batching", daemon=True)
-        self._thread.start()
+        self._lanes = {name: queue.Queue() for name in ("short", "long")}
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"sweet_jax-batching-{name}",
+                                          daemon=True) for name, q in self._lanes.items()]
+        for t in self._threads:
+            t.start()
+
+    def lane(self, request: Request) -> str:
+        cost = request.params.n * request.params.max_new_tokens
+        return "long" if cost > self.long_request_rows else "short"
 
     def submit(self, request: Request) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((request, future))
+        self._lanes[self.lane(request)].put((request, future))
         return future
 
     def close(self) -> None:
         self._closed.set()
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        for q in self._lanes.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
 
-    def _run(self) -> None:
+    def _run(self, lane: queue.Queue) -> None:
         while not self._closed.is_set():
-            item = self._queue.get()
+            item = lane.get()
             if item is None:
                 break
             batch, rows = [item], item[0].params.n
@@ -89,7 +111,7 @@ class BatchingEngine:
                 if timeout <= 0:
                     break
                 try:
-                    nxt = self._queue.get(timeout=timeout)
+                    nxt = lane.get(timeout=timeout)
                 except queue.Empty:
                     break
                 if nxt is None:
@@ -98,15 +120,21 @@ class BatchingEngine:
                 batch.append(nxt)
                 rows += nxt[0].params.n
             self.batch_sizes.append(len(batch))
-            try:
-                results = self.sampler.generate_requests([r for r, _ in batch])
-            except Exception as e:  # hand the failure to every waiting request instead of killing the thread
-                log.exception("batched generate failed")
-                for _, future in batch:
-                    future.set_exception(e)
-                continue
-            for (_, future), samples in zip(batch, results):
-                future.set_result(samples)
+            self._generate(batch)
+
+    def _generate(self, batch: list) -> None:
+        try:
+            results = self.sampler.generate_requests([r for r, _ in batch])
+        except Exception as e:
+            if len(batch) > 1:  # find the request that fails; the others get their samples
+                for item in batch:
+                    self._generate([item])
+                return
+            log.exception("generate failed")
+            batch[0][1].set_exception(e)
+            return
+        for (_, future), samples in zip(batch, results):
+            future.set_result(samples)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,36 +150,75 @@ def _field(body: dict, name: str, kind, default, *, check=None, why: str = ""):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise BadRequest(f"'{name}' must be {kind.__name__}, got {value!r}", name)
+        raise BadRequest(f"'{name}' must be {_KIND_NAMES.get(kind, kind.__name__)}, got {_short(value)}", name)
     if check is not None and not check(value):
-        raise BadRequest(f"'{name}' {why}, got {value!r}", name)
+        raise BadRequest(f"'{name}' {why}, got {_short(value)}", name)
     return value
 
 
-def sampling_params(body: dict, *, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from an OpenAI request body (both endpoints)."""
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Fields each endpoint reads; anything else is refused (as OpenAI refuses an unrecognized argument), so a
+# misspelt or unsupported option is an error, not silently ignored.
+_COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "max_tokens", "stop", "seed", "stream",
+                  "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+
+
+def _check_fields(body: dict, allowed: set) -> None:
+    for name in body:
+        if name not in allowed:
+            raise BadRequest(f"unrecognized request argument supplied: {_short(name)}", str(name)[:100])
+    _field(body, "user", str, None)
+    for name in ("stream", "echo"):
+        _field(body, name, bool, None)
+    for name in ("presence_penalty", "frequency_penalty"):
+        _field(body, name, float, 0.0, check=lambda v: v == 0, why="is not supported (only 0)")
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported", "logit_bias")
+
+
+def sampling_params(body: dict, *, default_max_tokens: int, vocab_size: int | None = None,
+                    max_positions: int | None = None) -> SamplingParams:
+    """SamplingParams from an OpenAI request body (both endpoints); every field checked, errors name it."""
     if body.get("stream"):
         raise BadRequest("streaming is not supported by this server; send stream=false", "stream")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _field({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens,
-                        check=lambda v: v >= 1, why="must be >= 1")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = max_positions or 2**31 - 1
+    max_tokens = _field(body, name, int, default_max_tokens, check=lambda v: 1 <= v <= limit,
+                        why=f"must be in [1, {limit}] (the model's max_position_embeddings)")
     stop = body.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
         stop = tuple(stop)
     else:
-        raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {stop!r}", "stop")
+        raise BadRequest(f"'stop' must be a non-empty string or a list of them, got {_short(stop)}", "stop")
+    if len(stop) > MAX_STOP_STRINGS or not all(0 < len(x) <= MAX_STOP_CHARS for x in stop):
+        raise BadRequest(f"'stop' must be at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
+                         "characters", "stop")
+    top_k_max = vocab_size or 2**31 - 1
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=_field(body, "temperature", float, 1.0, check=lambda v: 0 <= v <= 2, why="must be in [0, 2]"),
         top_p=_field(body, "top_p", float, 1.0, check=lambda v: 0 < v <= 1, why="must be in (0, 1]"),
-        top_k=_field(body, "top_k", int, 0, check=lambda v: v >= 0, why="must be >= 0"),
+        top_k=_field(body, "top_k", int, 0, check=lambda v: 0 <= v <= top_k_max,
+                     why=f"must be in [0, {top_k_max}] (0 = off; at most the vocabulary size)"),
         n=_field(body, "n", int, 1, check=lambda v: 1 <= v <= 128, why="must be in [1, 128]"),
         stop=stop,
-        seed=_field(body, "seed", int, None),
+        seed=_field(body, "seed", int, None, check=lambda v: -2**63 <= v < 2**63,
+                    why="must be a 64-bit integer"),
     )
 
 
@@ -175,14 +242,16 @@ class OpenAIApp:
     """Request handling independent of HTTP: body dict in, (status, response dict) out."""
 
     def __init__(self, sampler: Sampler, *, model_name: str, max_batch_size: int = 64,
-                 batch_window_s: float = 0.01, default_max_tokens: int = 256, request_timeout_s: float = 600):
+                 batch_window_s: float = 0.01, default_max_tokens: int = 256, request_timeout_s: float = 600,
+                 long_request_rows: int = 4096):
         if sampler.tokenizer is None:
             raise GenerateError("the server needs a tokenizer: load one with --tokenizer DIR")
         self.sampler = sampler
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
-        self.engine = BatchingEngine(sampler, max_batch_size=max_batch_size, batch_window_s=batch_window_s)
+        self.engine = BatchingEngine(sampler, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
+                                     long_request_rows=long_request_rows)
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -192,6 +261,19 @@ class OpenAIApp:
         return {"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sweet_jax"}]}
 
+    def check_model(self, body: dict) -> None:
+        """404 for a model this server does not serve (as OpenAI answers)."""
+        model = _field(body, "model", str, None)
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"The model {_short(model)} does not exist; this server serves "
+                             f"{self.model_name!r} (GET /v1/models)", "model", status=404)
+
+    def _params(self, body: dict, default_max_tokens: int) -> SamplingParams:
+        config = self.sampler.config
+        return sampling_params(body, default_max_tokens=default_max_tokens,
+                               vocab_size=getattr(config, "vocab_size", None),
+                               max_positions=getattr(config, "max_position_embeddings", None))
+
     def _run(self, prompts_ids: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         """Queue every prompt (so they share a batch), then wait for all of them."""
         requests = [Request(ids, params) for ids in prompts_ids]
@@ -199,11 +281,16 @@ class OpenAIApp:
             try:
                 self.sampler.check_request(r)
             except GenerateError as e:
-                raise BadRequest(str(e)) from e
+                message = str(e)
+                param = ("max_tokens" if "max_new_tokens" in message else "prompt" if "prompt" in message
+                         else "stop" if "stop" in message else None)
+                raise BadRequest(message, param) from e
         futures = [self.engine.submit(r) for r in requests]
         return [f.result(timeout=self.request_timeout_s) for f in futures]
 
     def chat_completions(self, body: dict) -> dict:
+        _check_fields(body, _CHAT_FIELDS)
+        self.check_model(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and _message_text(m.get("content")) is not None
@@ -214,7 +301,7 @@ class OpenAIApp:
             raise BadRequest("top_logprobs is not supported; logprobs=true returns each sampled token's "
                              "log-prob", "top_logprobs")
         want_logprobs = _field(body, "logprobs", bool, False)
-        params = sampling_params(body, default_max_tokens=self.default_max_tokens)
+        params = self._params(body, self.default_max_tokens)
         try:
             prompt_ids = self.sampler.chat_prompt_ids([{"role": m["role"], "content": _message_text(m["content"])}
                                                        for m in messages])
@@ -234,6 +321,8 @@ class OpenAIApp:
                 "model": self.model_name, "choices": choices, "usage": _usage(len(prompt_ids), samples)}
 
     def completions(self, body: dict) -> dict:
+        _check_fields(body, _COMPLETION_FIELDS)
+        self.check_model(body)
         prompts = body.get("prompt")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
                                         all(isinstance(t, int) for t in prompts)):
@@ -247,7 +336,7 @@ class OpenAIApp:
         if body.get("suffix"):
             raise BadRequest("suffix is not supported", "suffix")
         logprobs = _field(body, "logprobs", int, None, check=lambda v: 0 <= v <= 5, why="must be in [0, 5]")
-        params = sampling_params(body, default_max_tokens=16)  # OpenAI's default for completions
+        params = self._params(body, 16)  # OpenAI's default for completions
         try:
             prompt_ids = [self.sampler.encode(p) for p in prompts]
         except GenerateError as e:
@@ -276,68 +365,174 @@ class OpenAIApp:
 # HTTP
 # ----------------------------------------------------------------------------------------------------------
 
+MAX_BODY_BYTES = 4 << 20  # a request body; a larger one is refused (413) before any of it is read
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
+    """One connection (keep-alive: several requests). Every answer, errors included, is JSON."""
+
     server_version = "sweet_jax"
     protocol_version = "HTTP/1.1"
-    app: OpenAIApp  # set on the subclass made by make_http_server
+    app: OpenAIApp  # set on the subclass made by OpenAIServer
+    timeout = 30.0  # socket timeout: a read that stalls this long, or an idle keep-alive, closes the connection
+    max_body_bytes = MAX_BODY_BYTES
 
     def log_message(self, format, *args):  # route access logs to logging, not stderr
         log.debug("%s - %s", self.address_string(), format % args)
 
-    def _send(self, status: int, payload: dict) -> None:
+    def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    def _error(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+    def _error(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+               code: str | None = None, headers: dict | None = None):
+        kind = kind or {404: "not_found_error", 413: "invalid_request_error", 500: "server_error"}.get(
+            status, "invalid_request_error")
+        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers)
 
-    def do_GET(self):
-        path = self.path.split("?")[0].rstrip("/")
-        if path in ("/v1/models", "/models"):
-            self._send(200, self.app.models())
-        elif path in ("/health", "/v1/health"):
-            self._send(200, {"status": "ok"})
-        else:
-            self._error(404, f"no route GET {self.path}; try /v1/models", kind="not_found_error")
-
-    def do_POST(self):
-        path = self.path.split("?")[0].rstrip("/")
-        routes = {"/v1/chat/completions": self.app.chat_completions, "/chat/completions": self.app.chat_completions,
-                  "/v1/completions": self.app.completions, "/completions": self.app.completions}
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (malformed request line or headers, unsupported method): JSON too."""
+        self.close_connection = True
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if path not in routes:
-                raise BadRequest(f"no route POST {self.path}; use /v1/chat/completions or /v1/completions",
-                                 status=404)
-            try:
-                body = json.loads(raw or b"null")
-            except json.JSONDecodeError as e:
-                raise BadRequest(f"request body is not valid JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            self._send(200, routes[path](body))
+            self._error(code, message or explain or http.HTTPStatus(code).phrase)
+        except (OSError, ValueError):
+            pass
+
+    def _route(self, method: str):
+        path = self.path.split("?")[0].rstrip("/")
+        gets = {"/v1/models": self.app.models, "/models": self.app.models,
+                "/health": lambda: {"status": "ok"}, "/v1/health": lambda: {"status": "ok"}}
+        posts = {"/v1/chat/completions": self.app.chat_completions, "/chat/completions": self.app.chat_completions,
+                 "/v1/completions": self.app.completions, "/completions": self.app.completions}
+        routes = {"GET": gets, "POST": posts}.get(method, {})
+        if path in routes:
+            return routes[path]
+        if path in gets or path in posts:
+            allowed = "GET" if path in gets else "POST"
+            raise BadRequest(f"method {method} not allowed on {path}; use {allowed}", status=405)
+        raise BadRequest(f"no route {method} {_short(self.path)}; the routes are GET /v1/models, "
+                         "POST /v1/chat/completions and POST /v1/completions", status=404)
+
+    def _read_body(self) -> dict:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise BadRequest("Transfer-Encoding is not supported; send a Content-Length", "Content-Length",
+                             status=411)
+        text = self.headers.get("Content-Length")
+        if text is None:
+            raise BadRequest("a request body with a Content-Length header is required", "Content-Length",
+                             status=411)
+        text = text.strip()
+        if not text.isdigit() or not text.isascii():
+            self.close_connection = True  # the body's end is unknown: the connection cannot be reused
+            raise BadRequest(f"Content-Length must be a non-negative integer, got {_short(text)}",
+                             "Content-Length")
+        length = int(text)
+        if length > self.max_body_bytes:
+            self.close_connection = True  # answered without reading the body
+            raise BadRequest(f"request body of {length} bytes is larger than the limit of "
+                             f"{self.max_body_bytes} bytes", "Content-Length", status=413)
+        deadline = time.monotonic() + self.timeout
+        chunks, got = [], 0
+        while got < length:
+            if time.monotonic() > deadline:  # trickling bytes: each read is in time, the whole is not
+                raise TimeoutError
+            chunk = self.rfile.read1(length - got) if hasattr(self.rfile, "read1") else self.rfile.read(length - got)
+            if not chunk:
+                self.close_connection = True
+                raise BadRequest(f"request body ended after {got} of the {length} bytes of Content-Length",
+                                 "Content-Length")
+            chunks.append(chunk)
+            got += len(chunk)
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"request body is not valid UTF-8 (byte {e.start})") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    def _handle(self, method: str) -> None:
+        try:
+            handler = self._route(method)
+            if method == "POST":
+                body = self._read_body()
+                self._send(200, handler(body))
+            else:
+                self._send(200, handler())
         except BadRequest as e:
-            self._error(e.status, str(e), e.param, "invalid_request_error" if e.status == 400 else "not_found_error")
+            headers = {"Allow": "GET" if "use GET" in str(e) else "POST"} if e.status == 405 else None
+            code = "model_not_found" if e.status == 404 and e.param == "model" else None
+            self._error(e.status, str(e), e.param, code=code, headers=headers)
+            if e.status == 413:
+                self._discard_input()
+        except TimeoutError:
+            self.close_connection = True
+            self._error(408, f"the request was not received within {self.timeout:g} s", kind="timeout")
         except concurrent.futures.TimeoutError:
             self._error(504, f"generation did not finish within {self.app.request_timeout_s} s", kind="timeout")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
         except Exception as e:  # keep serving; the client gets the reason
             log.exception("request failed")
             self._error(500, f"{type(e).__name__}: {e}", kind="server_error")
 
+    def _discard_input(self, limit_s: float = 2.0) -> None:
+        """After an early answer (413): read and drop what the client still sends, for a moment, so that
+        closing the socket does not reset the connection before the client has read the answer."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.2)
+            end = time.monotonic() + limit_s
+            while time.monotonic() < end and self.connection.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+    def _not_allowed(self):
+        self._handle(self.command)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = _not_allowed
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # listen backlog: a burst of clients waits to be accepted instead of being reset
+
 
 class OpenAIServer:
-    """A running server: `.url` (ends in /v1), `.port`, `.close()`. Use as a context manager."""
+    """A running server: `.url` (ends in /v1), `.port`, `.close()`. Use as a context manager.
 
-    def __init__(self, app: OpenAIApp, host: str = "127.0.0.1", port: int = 0):
-        handler = type("Handler", (_Handler,), {"app": app})
+    read_timeout_s: a request must arrive whole within it, and an idle keep-alive connection is closed after it.
+    max_body_bytes: larger request bodies are refused with 413 before they are read."""
+
+    def __init__(self, app: OpenAIApp, host: str = "127.0.0.1", port: int = 0, *, read_timeout_s: float = 30.0,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        handler = type("Handler", (_Handler,), {"app": app, "timeout": read_timeout_s,
+                                                "max_body_bytes": max_body_bytes})
         self.app = app
-        self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), handler)
         self.host, self.port = self.httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}/v1"
         self._thread: threading.Thread | None = None
@@ -365,10 +560,12 @@ class OpenAIServer:
 
 
 def start_server(sampler: Sampler, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "sweet_jax",
-                 max_batch_size: int = 64, batch_window_s: float = 0.01) -> OpenAIServer:
+                 max_batch_size: int = 64, batch_window_s: float = 0.01, long_request_rows: int = 4096,
+                 read_timeout_s: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES) -> OpenAIServer:
     """Serve `sampler` on a background thread; port 0 picks a free port (see `.url`)."""
-    app = OpenAIApp(sampler, model_name=model_name, max_batch_size=max_batch_size, batch_window_s=batch_window_s)
-    return OpenAIServer(app, host, port).start()
+    app = OpenAIApp(sampler, model_name=model_name, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
+                    long_request_rows=long_request_rows)
+    return OpenAIServer(app, host, port, read_timeout_s=read_timeout_s, max_body_bytes=max_body_bytes).start()
 
 
 # ----------------------------------------------------------------------------------------------------------

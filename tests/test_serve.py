@@ -1,9 +1,13 @@
 """OpenAI-compatible server: the real `openai` client against 127.0.0.1, in-process and as a subprocess."""
 import concurrent.futures
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -16,7 +20,7 @@ from tiny import make_hf_llama
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
 from sweet_jax.generate import Request, Sampler, SamplingParams
 from sweet_jax.models import load_hf
-from sweet_jax.serve import start_server
+from sweet_jax.serve import BatchingEngine, start_server
 
 VOCAB = 320
 
@@ -134,10 +138,185 @@ def test_server_runs_as_a_subprocess(hf_dir):
         assert proc.poll() is None, "".join(lines)
         url = line.strip().rsplit(" ", 1)[-1]
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+        r = client.chat.completions.create(model=hf_dir.name, messages=[{"role": "user", "content": "hi"}],
                                            temperature=0, max_tokens=5)
         assert r.choices[0].finish_reason in ("stop", "length")
         assert [m.id for m in client.models.list().data] == [hf_dir.name]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# --- hostile and malformed input ------------------------------------------------------------------------
+
+READ_TIMEOUT_S = 1.0
+BODY_LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def strict_server(server):
+    """A second server over the same sampler, with a short read timeout and a small body limit."""
+    with start_server(server.app.sampler, port=0, model_name="tiny", read_timeout_s=READ_TIMEOUT_S,
+                      max_body_bytes=BODY_LIMIT) as srv:
+        yield srv
+
+
+def _post(server, path, body, *, raw=None, headers=None, method="POST"):
+    """(status, parsed JSON body) of one request over a fresh connection."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    try:
+        data = raw if raw is not None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        payload = response.read()
+        assert response.getheader("Content-Type") == "application/json", payload[:200]
+        return response.status, json.loads(payload)
+    finally:
+        conn.close()
+
+
+def _raw_exchange(server, data: bytes, *, wait_s: float = 10.0) -> bytes:
+    """Sends bytes as they are, then reads until the server closes (or wait_s passes)."""
+    with socket.create_connection((server.host, server.port), timeout=wait_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except socket.timeout:
+            pass
+        return b"".join(chunks)
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 1099511627776), ("top_k", -1), ("top_k", 321), ("temperature", "hot"), ("temperature", 3),
+    ("top_p", 0), ("n", 0), ("n", 1000), ("n", 2.5), ("seed", 2**70), ("seed", "7"), ("max_tokens", 0),
+    ("max_tokens", 10**6), ("max_completion_tokens", -3), ("stop", ["a"] * 5), ("stop", [""]), ("stop", 5),
+    ("logprobs", "yes"), ("presence_penalty", 0.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 5}),
+    ("stream", True), ("user", 5), ("messages", []), ("messages", [{"role": "user"}]), ("top_logprobs", 2),
+    ("temprature", 0.5),
+])
+def test_every_chat_parameter_is_checked_and_named(server, field, value):
+    status, body = _post(server, "/v1/chat/completions", {**CHAT, field: value})
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field,value", [("prompt", [[1, 2, 10**6]]), ("prompt", [[]]), ("prompt", 5),
+                                         ("logprobs", 9), ("echo", True), ("suffix", "x"), ("top_k", 10**12)])
+def test_every_completion_parameter_is_checked_and_named(server, field, value):
+    status, body = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, field: value})
+    assert status == 400, body
+    assert body["error"]["param"] == field
+
+
+def test_unknown_model_is_a_404_like_openai(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4-does-not-exist", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found" and "tiny" in e.value.body["message"]
+
+
+def test_a_bad_request_never_fails_the_good_ones_sent_with_it(server):
+    """Six valid requests and one with an absurd top_k, at once: six answers and one 400."""
+    bodies = [{**CHAT, "max_tokens": 4}] * 6 + [{**CHAT, "top_k": 1099511627776}]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda b: _post(server, "/v1/chat/completions", b), bodies))
+    assert [status for status, _ in results] == [200] * 6 + [400]
+    assert results[-1][1]["error"]["param"] == "top_k"
+
+
+def test_a_batch_that_fails_is_rerun_request_by_request():
+    """Whatever slips past validation and fails inside the sampler fails only its own request."""
+    class FlakySampler:
+        def generate_requests(self, requests):
+            if any(r.prompt_ids == [666] for r in requests):
+                raise RuntimeError("boom")
+            return [[f"samples of {r.prompt_ids}"] for r in requests]
+
+    engine = BatchingEngine(FlakySampler(), batch_window_s=0.3)
+    try:
+        futures = [engine.submit(Request(ids, SamplingParams(max_new_tokens=2))) for ids in ([1], [666], [2])]
+        assert futures[0].result(timeout=30) == ["samples of [1]"]
+        assert futures[2].result(timeout=30) == ["samples of [2]"]
+        with pytest.raises(RuntimeError, match="boom"):
+            futures[1].result(timeout=30)
+        assert engine.batch_sizes == [3]
+    finally:
+        engine.close()
+
+
+def test_malformed_bodies_get_400_json_errors(server):
+    assert _post(server, "/v1/chat/completions", None, raw=b'{"model": "tiny", "x": "\xff\xfe"}')[0] == 400
+    status, body = _post(server, "/v1/chat/completions", None, raw=b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nested" in body["error"]["message"]
+    for length in ("abc", "-1", "1e3", " "):
+        reply = _raw_exchange(server, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                       f"Content-Length: {length}\r\n\r\n{{}}").encode())
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["param"] == "Content-Length"
+
+
+def test_every_route_and_method_answers_json(server):
+    for method, path, status in [("PUT", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405),
+                                 ("PATCH", "/v1/completions", 405), ("OPTIONS", "/v1/models", 405),
+                                 ("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
+                                 ("GET", "/nowhere", 404), ("POST", "/v1/nowhere", 404), ("FOO", "/v1/models", 501)]:
+        got, body = _post(server, path, {}, method=method)
+        assert got == status and body["error"]["message"], (method, path, got, body)
+
+
+def test_a_body_over_the_limit_is_refused_at_once_unread(strict_server):
+    """Only the headers are sent: the 413 comes without waiting for the 50 MB announced."""
+    start = time.monotonic()
+    reply = _raw_exchange(strict_server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                         b"Content-Length: 50000000\r\n\r\n{", wait_s=30)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert time.monotonic() - start < 10 * READ_TIMEOUT_S
+    with pytest.raises(openai.APIStatusError) as e:  # a client that sends it all still reads the answer
+        openai.OpenAI(base_url=strict_server.url, api_key="x", max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x" * (2 * BODY_LIMIT)}])
+    assert e.value.status_code == 413
+
+
+def test_read_and_idle_timeouts_close_stalled_connections(strict_server):
+    # Content-Length longer than the body: a 408 after the read timeout, not a hang.
+    reply = _raw_exchange(strict_server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                         b"Content-Length: 100\r\n\r\n{\"model\"", wait_s=30)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    # An idle keep-alive connection is closed by the server.
+    with socket.create_connection((strict_server.host, strict_server.port), timeout=30) as sock:
+        assert sock.recv(1) == b""
+
+
+def test_hundreds_of_concurrent_clients_are_queued_not_reset(strict_server):
+    n = 300
+    barrier = threading.Barrier(n)
+
+    def ask(_):
+        barrier.wait()
+        return _post(strict_server, "/v1/models", None, method="GET")[0]
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        assert list(pool.map(ask, range(n))) == [200] * n
+
+
+def test_a_long_request_does_not_hold_short_ones(server):
+    """A long request (16 x 300 tokens, over long_request_rows) is running: a short one is answered before
+    it ends (bench/bench_serve.py measures n=64 x 480)."""
+    done = {}
+
+    def long_request():
+        body = {**CHAT, "n": 16, "max_tokens": 300, "temperature": 1.0}
+        done["long"] = (_post(server, "/v1/chat/completions", body)[0], time.monotonic())
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)  # the long batch is decoding
+    status, _ = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+    short_done = time.monotonic()
+    thread.join(timeout=600)
+    assert status == 200 and done["long"][0] == 200
+    assert short_done < done["long"][1]
