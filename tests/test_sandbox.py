@@ -246,6 +246,24 @@ def test_good_answers_pass_in_the_sandbox(evaluator):
     assert [c["outcome"] for c in score.details["cases"]] == ["pass", "pass"]
 
 
+def test_honest_answers_still_pass(evaluator):
+    """Helpers at module level, stdlib imports, recursion 3000 deep, printing, numpy: all score 1.0."""
+    answers = [
+        "import collections, itertools, functools, re, json, heapq, bisect, datetime, fractions\n"
+        "@functools.lru_cache(None)\ndef helper(x):\n    return int(re.sub('[^0-9-]', '', json.dumps(x)))\n"
+        "def f(a, b):\n    c = collections.Counter(itertools.repeat(a, 2))\n"
+        "    return helper(a) + b + c[a] - 2\n",
+        "import sys\nsys.setrecursionlimit(10_000)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "def f(a, b):\n    return depth(3000) - 3000 + a + b\n",
+        "print('module')\ndef f(a, b):\n    for i in range(10_000):\n        print('line', i)\n"
+        "    return a + b\n",
+        "import numpy as np\ndef f(a, b):\n    return int(np.array([a, b]).sum())\n",
+    ]
+    scores = evaluator.score_many([(ADD_TASK, a) for a in answers])
+    assert [(s.status, s.reward) for s in scores] == [("ok", 1.0)] * len(answers), scores
+
+
 def test_known_wrong_answers_score_the_fraction_of_cases_they_pass(evaluator):
     half = "def f(a, b):\n    return 3 if (a, b) == (1, 2) else 0\n"
     assert evaluator.score(ADD_TASK, half).reward == 0.5
