@@ -5,7 +5,7 @@
 
 Each side starts `python -m sweet_jax.serve` as a subprocess (PYTHONPATH = its source tree) over the same
 random model (the demo policy's shape: hidden 64, 2 layers, the demo tokenizer's vocabulary), on 127.0.0.1.
-After a warm-up (bursts of 1 to 200 requests and one long request, so that every batch shape is compiled),
+After a warm-up (bursts of 1 to 64 requests and one long request, so that every batch shape is compiled),
 two scenarios:
 
   burst  200 clients send one short chat request each at the same moment (max_tokens 16, greedy):
@@ -124,7 +124,7 @@ def run_side(source: str, model_dir: str) -> dict:
         port = int(line.strip().rsplit(":", 1)[1].split("/")[0])
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain its log
         # Warm-up: the batch shapes the scenarios form are compiled first (rows are bucketed to powers of two).
-        for size in [1, 2, 4, 8, 16, 32, 64, 200]:
+        for size in [1, 2, 4, 8, 16, 32, 64]:
             burst(port, size)
         post(port, LONG)
         return {"burst": burst(port), "long": long_and_short(port)}
