@@ -581,6 +581,30 @@ _MEMORY_HOG = (
     "    return held\n")
 
 
+def test_memory_cgroups_left_by_a_killed_trainer_are_removed():
+    import subprocess
+    import sys
+
+    from sweet_jax.sandbox.evaluator import _MemoryCgroups
+
+    cgroups = _MemoryCgroups()
+    if not cgroups.available:  # nothing is made, so nothing can be left: the rlimits apply instead
+        with Evaluator(workers=1, memory_cgroup=True) as ev:
+            assert "at most 8 processes x RLIMIT_AS" in ev.isolation["isolation"]
+        return
+    trainer = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True)
+    stale = os.path.join(cgroups.base, f"{cgroups.PREFIX}{int(trainer.stdout)}_0")  # its pid is gone
+    os.mkdir(stale)
+    with Evaluator(workers=1, timeout_s=TIMEOUT_S) as ev:
+        assert not os.path.exists(stale)
+        live = ev._answers.all[0].cgroup
+        assert os.path.isdir(live)
+        _MemoryCgroups()  # another Evaluator starting leaves a live one alone
+        assert os.path.isdir(live)
+    assert not os.path.exists(live)
+
+
 def test_one_memory_bound_per_evaluation_across_its_processes():
     """8 processes x 150 MB with memory_mb=384: with a memory cgroup at most 2 of them hold their
     memory at once; without one, at most 8 processes of 384 MB each (one is the answer's own)."""

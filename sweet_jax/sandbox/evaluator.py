@@ -181,9 +181,27 @@ class _MemoryCgroups:
     hierarchy where the memory controller is delegated to it, else in the v1 memory hierarchy
     where it may write there; `available` is False otherwise (then rlimits bound each process)."""
 
+    PREFIX = "sweet_jax_sandbox_"
+
     def __init__(self):
         self.base, self.version = self._find()
         self.available = self.base is not None
+        if self.available:
+            self._remove_stale()
+
+    def _remove_stale(self):
+        """Empty cgroups left by trainers that ended without closing their Evaluator (killed, say)."""
+        try:
+            names = os.listdir(self.base)
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(self.PREFIX):].split("_")[0]
+            if name.startswith(self.PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(self.base, name))  # fails, harmlessly, unless empty
+                except OSError:
+                    pass
 
     @staticmethod
     def _find():
@@ -223,7 +241,7 @@ class _MemoryCgroups:
 
     def create(self, limit_mb):
         """A new cgroup limited to limit_mb (swap included); its path, or None if that failed."""
-        path = os.path.join(self.base, f"sweet_jax_sandbox_{os.getpid()}_{next(_CGROUP_NUMBERS)}")
+        path = os.path.join(self.base, f"{self.PREFIX}{os.getpid()}_{next(_CGROUP_NUMBERS)}")
         try:
             os.mkdir(path)
         except OSError:
