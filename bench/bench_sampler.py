@@ -3,6 +3,13 @@
     python bench/bench_sampler.py                          # CPU table over model sizes (a few minutes)
     python bench/bench_sampler.py --rows small             # only the 24M target row
     python bench/bench_sampler.py --rows 1b --dtype bfloat16 --skip-hf   # with jax[cuda] / jax[tpu]
+    python bench/bench_sampler.py --model HF_DIR --batches 8,64   # a real checkpoint (SmolLM2-135M), chat prompts
+
+--model HF_DIR: both sides run that checkpoint's weights (load_hf vs from_pretrained) on chat-templated prompts
+(its tokenizer; distinct short coding requests), greedy, --new-tokens new tokens with eos ignored, one row per
+batch size of --batches. Each side is its own process (its peak RSS is its own; the sweet_jax side's
+Sampler gets max_batch_size = the batch, as the pipeline sizes it), warmed up with one call, then the timed
+calls alternate (--repeats each, best reported).
 
 Rows (--rows, comma-separated; `all` = every CPU row):
   demo      the demo pipeline's policy (configs/pipeline.py:demo: hidden 64, 2 layers, tied, vocab 4096),
@@ -175,6 +182,145 @@ def run_row(name: str, row: Row, args) -> dict:
     return result
 
 
+REQUESTS = ["reverses a string", "checks whether a number is prime", "merges two sorted lists",
+            "counts the vowels in a text", "returns the n-th Fibonacci number", "flattens a nested list",
+            "computes the median of a list", "removes duplicates from a list while keeping the order"]
+STYLES = ["Write a Python function that {}.", "In Python, implement a function that {}.",
+          "Give me Python code for a function that {}.", "I need a short Python function that {}.",
+          "Please write a Python function which {}.", "Show a Python function that {}, with a docstring.",
+          "Write a small, well-named Python function that {}.", "Can you write a Python function that {}?"]
+
+
+def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
+    """n distinct chat-templated requests (8 x 8 combinations, repeated past 64) as token ids."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [STYLES[i // len(REQUESTS) % len(STYLES)].format(REQUESTS[i % len(REQUESTS)]) for i in range(n)]
+    return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)) for t in texts]
+
+
+def model_child(args) -> None:
+    """One side of --model (stdin protocol: 'run' -> one timed call; anything else -> tokens and peak RSS)."""
+    import json
+    import resource
+    import numpy as np
+    prompts = chat_prompts(args.model, args._batch)
+    new = args.new_tokens
+    if args._child == "ours":
+        from sweet_jax.generate import Sampler
+        from sweet_jax.models import load_hf
+        model = load_hf(args.model, dtype=args.dtype, config_overrides={"dtype": args.dtype,
+                                                                         "attention_impl": args.attention_impl})
+        sampler = Sampler(model, max_batch_size=args._batch)
+
+        def call():
+            out = sampler.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True, seed=0)
+            return [g[0].token_ids for g in out]
+    else:
+        import torch
+        import transformers
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+        def call():
+            with torch.inference_mode():
+                out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0)
+            return out[:, width:].tolist()
+    start = time.perf_counter()
+    tokens = call()
+    print("READY " + json.dumps(dict(first=time.perf_counter() - start, prompt_mean=float(np.mean([len(p) for p in
+                                                                                                  prompts])))),
+          flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        start = time.perf_counter()
+        call()
+        print("DONE " + json.dumps(dict(seconds=time.perf_counter() - start, load=os.getloadavg()[0])), flush=True)
+    print("RESULT " + json.dumps(dict(tokens=tokens, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                      * 1024)), flush=True)
+
+
+def run_model(args) -> None:
+    """--model: one row per batch size, each side in its own process, timed calls interleaved."""
+    import json
+    import subprocess
+    import transformers
+
+    import torch
+    bandwidth = read_bandwidth_gbs()
+    results = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        procs = {}
+        for side in ("ours", "hf"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--new-tokens",
+                   str(args.new_tokens), "--dtype", args.dtype, "--attention-impl", args.attention_impl,
+                   "--torch-threads", str(args.torch_threads), "--_child", side, "--_batch", str(batch)]
+            procs[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def expect(side, prefix):
+            for line in procs[side].stdout:
+                if line.startswith(prefix + " "):
+                    return json.loads(line[len(prefix) + 1:])
+            sys.exit(f"the {side} side of batch {batch} died (its stderr is above)")
+
+        ready = {side: expect(side, "READY") for side in procs}  # both warm up at once, untimed
+        best, loads = {side: float("inf") for side in procs}, {side: [] for side in procs}
+        for _ in range(args.repeats):
+            for side, proc in procs.items():
+                proc.stdin.write("run\n")
+                proc.stdin.flush()
+                done = expect(side, "DONE")
+                best[side] = min(best[side], done["seconds"])
+                loads[side].append(done["load"])
+        final = {}
+        for side, proc in procs.items():
+            proc.stdin.write("exit\n")
+            proc.stdin.flush()
+            final[side] = expect(side, "RESULT")
+            proc.wait()
+        same = sum(a == b for a, b in zip(final["ours"]["tokens"], final["hf"]["tokens"]))
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                      for a, b in zip(final["ours"]["tokens"], final["hf"]["tokens"]) if a != b]
+        total = batch * args.new_tokens
+        results.append(dict(batch=batch, ours=total / best["ours"], hf=total / best["hf"], same=same,
+                            first_diff=first_diff, ours_rss=final["ours"]["peak_rss"], hf_rss=final["hf"]["peak_rss"],
+                            ours_load=sum(loads["ours"]) / len(loads["ours"]), hf_load=sum(loads["hf"]) / len(loads["hf"]),
+                            first=(ready["ours"]["first"], ready["hf"]["first"]), prompt_mean=ready["ours"]["prompt_mean"]))
+        print(f"  batch {batch}: ours {results[-1]['ours']:.0f} tok/s, transformers {results[-1]['hf']:.0f} tok/s",
+              file=sys.stderr, flush=True)
+
+    from sweet_jax.models import LlamaConfig
+    from sweet_jax.models.hf import read_hf_config
+    config = LlamaConfig.from_hf(read_hf_config(args.model))
+    print(f"\nSampler on {args.model} ({config.num_params() / 1e6:.1f}M params, {args.dtype}): sweet_jax Sampler vs "
+          f"transformers {transformers.__version__} generate (torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads), greedy, {args.new_tokens} new tokens (eos ignored), chat-templated prompts, best of "
+          f"{args.repeats} interleaved calls after a warm-up call each, each side its own process; host cores "
+          f"{os.cpu_count()}. Read bandwidth {bandwidth:.1f} GB/s.")
+    head = ("| batch | prompt tokens (mean) | sweet_jax tok/s (load) | transformers tok/s (load) | ratio | identical "
+            "| peak RSS GiB sweet_jax / transformers | step floor ms | sweet_jax step ms |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in results:
+        floor_ms = step_bytes(config, r["batch"], r["prompt_mean"], args.new_tokens) / (bandwidth * 1e9) * 1e3
+        print(f"| {r['batch']} | {r['prompt_mean']:.0f} | {r['ours']:.0f} ({r['ours_load']:.1f}) | {r['hf']:.0f} "
+              f"({r['hf_load']:.1f}) | **{r['ours'] / r['hf']:.2f}x** | {r['same']}/{r['batch']} | "
+              f"{r['ours_rss'] / 2**30:.2f} / {r['hf_rss'] / 2**30:.2f} | {floor_ms:.2f} | "
+              f"{r['batch'] / r['ours'] * 1e3:.2f} |")
+    for r in results:
+        if r["first_diff"]:
+            print(f"batch {r['batch']}: differing rows first differ at new-token positions {r['first_diff']}")
+    print("first call (compile / warm-up) s, ours/transformers: "
+          + ", ".join(f"batch {r['batch']} {r['first'][0]:.1f}/{r['first'][1]:.1f}" for r in results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="all", help=f"comma-separated of {sorted(ROWS)}; all = {','.join(CPU_ROWS)}")
@@ -185,7 +331,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per side (best is reported)")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--skip-hf", action="store_true", help="time only sweet_jax (e.g. a 1B model on a TPU)")
+    parser.add_argument("--model", default="", help="an HF Llama checkpoint directory: rows on its weights")
+    parser.add_argument("--batches", default="8,64", help="--model: batch sizes, one row each")
+    parser.add_argument("--new-tokens", type=int, default=128, help="--model: new tokens per row")
+    parser.add_argument("--_child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--_batch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._child:
+        model_child(args)
+        return
+    if args.model:
+        run_model(args)
+        return
     names = CPU_ROWS if args.rows == "all" else tuple(args.rows.split(","))
     unknown = [n for n in names if n not in ROWS]
     if unknown:

@@ -3,6 +3,8 @@
     python bench/bench_train_step.py --steps 3          # ~58M-param Llama, 2 pairs x 2 x 512 tokens, float32 CPU
     python bench/bench_train_step.py --steps 3 --step dpo   # the policy's step-level DPO step instead
     python bench/bench_train_step.py --steps 3 --jax-variant attn=xla --torch-variant logp=ce   # A/B extra sides
+    python bench/bench_train_step.py --steps 3 --model HF_DIR   # a real checkpoint (SmolLM2-135M) at the pipeline's
+                                                                # shapes: critic 8 pairs x 512, DPO 8 pairs x 384
 
 Both sides run the same model (the PyTorch model's random weights are loaded into ours through save_pretrained
 / load_hf), the same loss (per-turn-mean advantages vs precomputed reference log-probs, -log sigmoid(beta*(S+ -
@@ -14,8 +16,14 @@ better of JAX with the same XLA flags and PyTorch); MFU = model FLOPs (6 x matmu
 heads x head_dim x T per token, PaLM's convention: no recompute, causal mask not discounted) / step time /
 that peak.
 
+--model HF_DIR runs both sides on that checkpoint's weights (sweet_jax.models.load_hf vs transformers
+from_pretrained) with its architecture, 8 pairs per step and 512 (critic) or 384 (--step dpo) tokens unless
+--pairs / --seq say otherwise.
+
 Variant specs are comma-separated key=value pairs:
-  jax:   attn=auto|xla|blocked|chunked  remat=none|full|dots_saveable  chunk=512 (log-prob chunk)
+  jax:   attn=auto|xla|blocked|chunked  remat=none|full|dots_saveable  chunk=auto|N (unembedding positions per
+         chunk, losses.label_logprobs)  micro=0|N (pairs per forward/backward; 0: the trainer's automatic
+         choice, steps.auto_micro_batch_size)
          block=128 (attention_block_size)  score=1|0 (1: log-probs at the action tokens only, the batch's
          score_pos as the trainer builds it with loss.score_positions, its default; 0: at every token)
          xla_flags='--xla_...'
@@ -23,6 +31,8 @@ Variant specs are comma-separated key=value pairs:
          tcmalloc is what sweet_jax's command lines set up for themselves, so it is the sweet_jax side's default;
          the PyTorch side defaults to the system allocator, as the official code runs)
   torch: attn=sdpa|eager  adamw=fused|foreach|loop  threads=0 (0: torch's default, = cores)
+         micro=auto|0|N (pairs per forward/backward, gradients accumulated; auto: the sweet_jax side's micro-batch,
+         so both run the same shapes; 0: the whole batch at once)
          logp=gather|ce|scored (gather: log_softmax over [N, T, V] logits + gather, as the official SWEET-RL
          code; ce: cross_entropy; scored: lm_head, log_softmax and gather at the action tokens only)
 """
@@ -40,8 +50,9 @@ import time
 import numpy as np
 
 GiB = 1024 ** 3
-JAX_DEFAULT = dict(attn="auto", remat="none", chunk="512", block="128", score="1", xla_flags="", malloc="tcmalloc")
-TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", malloc="system")
+JAX_DEFAULT = dict(attn="auto", remat="none", chunk="auto", micro="0", block="128", score="1", xla_flags="",
+                   malloc="tcmalloc")
+TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", micro="auto", malloc="system")
 
 
 def parse_spec(text: str, defaults: dict) -> dict:
@@ -94,6 +105,20 @@ def save_hf_model(a, path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
 
 
+def auto_micro(a) -> int:
+    """The micro-batch (pairs) the trainer picks for this model and batch shape (steps.auto_micro_batch_size)."""
+    from sweet_jax import steps
+    from sweet_jax.models import LlamaConfig
+    if a.model:
+        from sweet_jax.models.hf import read_hf_config
+        config = LlamaConfig.from_hf(read_hf_config(a.model))
+    else:
+        config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                             num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                             head_dim=a.hidden // a.heads)
+    return steps.auto_micro_batch_size(config, (a.pairs, 2, a.seq))
+
+
 def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -110,10 +135,12 @@ def prepare_jax(a, path, spec):
                                                 attention_block_size=int(spec["block"])))
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
+    chunk = None if spec["chunk"] == "auto" else int(spec["chunk"])
+    micro = int(spec["micro"]) or steps.auto_micro_batch_size(model.config, (a.pairs, 2, a.seq))
     if a.step == "dpo":
-        step = steps.make_policy_step(state, optimizer, kind="dpo", beta=0.1, chunk_size=int(spec["chunk"]))
+        step = steps.make_policy_step(state, optimizer, kind="dpo", beta=0.1, chunk_size=chunk, micro_batch_size=micro)
     else:
-        step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=int(spec["chunk"]))
+        step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=chunk, micro_batch_size=micro)
     batch = make_batch(a)
     if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds: the action tokens fit in T // 2
         from sweet_jax.data import batching
@@ -131,7 +158,7 @@ def prepare_jax(a, path, spec):
     run()  # warm-up: first execution allocates
     info = dict(flops_per_token=model.config.flops_per_token(a.seq), num_params=model.config.num_params(),
                 xla_temps=compiled.memory_analysis().temp_size_in_bytes, xla_flops=cost.get("flops", 0.0),
-                attention=resolve_attention_impl(model.config, a.seq))
+                attention=resolve_attention_impl(model.config, a.seq), micro=micro)
     return run, info
 
 
@@ -157,31 +184,41 @@ def prepare_torch(a, path, spec):
     turn_masks = [(turns == k).float() for k in range(1, K + 1)]
 
     scored = turns[:, 1:] > 0  # the positions whose labels are action tokens
+    micro = int(spec["micro"]) or B  # pairs per forward/backward
+    if B % micro:
+        sys.exit(f"torch micro={micro} does not divide {B} pairs")
+
+    def micro_loss(rows):  # the loss of pairs [rows] (sequence rows 2*rows, 2*rows+1), scaled to the batch mean
+        s = slice(rows.start * P, rows.stop * P)
+        if spec["logp"] == "scored":
+            hidden = model.model(input_ids=ids[s], attention_mask=mask[s], use_cache=False).last_hidden_state
+            logits = model.lm_head(hidden[:, :-1][scored[s]])  # [action tokens, V]
+            picked = torch.log_softmax(logits, -1).gather(-1, ids[s, 1:][scored[s]][:, None])[:, 0]
+            logp = torch.zeros(s.stop - s.start, T - 1).masked_scatter(scored[s], picked)
+        else:
+            logits = model(input_ids=ids[s], attention_mask=mask[s], use_cache=False).logits  # [n, T, V] float32
+            if spec["logp"] == "ce":
+                logp = -F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[s, 1:].reshape(-1),
+                                        reduction="none").view(s.stop - s.start, T - 1)
+            else:
+                logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[s, 1:, None])[..., 0]
+        delta = F.pad(logp, (1, 0)) - ref[s]
+        if a.step == "dpo":  # summed reply log-prob ratios (DPO's implicit reward / beta)
+            score = (delta * turn_masks[0][s]).sum(1).reshape(-1, P)
+        else:  # per-turn means of the advantages, summed over turns (the critic's trajectory score)
+            score = sum((delta * m[s]).sum(1) / m[s].sum(1).clamp(min=1) for m in turn_masks).reshape(-1, P)
+        return -F.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).sum() / B
 
     def run():
-        if spec["logp"] == "scored":
-            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            logits = model.lm_head(hidden[:, :-1][scored])  # [action tokens, V]
-            picked = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:][scored][:, None])[:, 0]
-            logp = torch.zeros(B * P, T - 1).masked_scatter(scored, picked)
-        else:
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [N, T, V] float32
-            if spec["logp"] == "ce":
-                logp = -F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                        reduction="none").view(B * P, T - 1)
-            else:
-                logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        delta = F.pad(logp, (1, 0)) - ref
-        if a.step == "dpo":  # summed reply log-prob ratios (DPO's implicit reward / beta)
-            score = (delta * turn_masks[0]).sum(1).reshape(B, P)
-        else:  # per-turn means of the advantages, summed over turns (the critic's trajectory score)
-            score = sum((delta * m).sum(1) / m.sum(1).clamp(min=1) for m in turn_masks).reshape(B, P)
-        loss = -F.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).mean()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for start in range(0, B, micro):
+            loss = micro_loss(slice(start, start + micro))
+            loss.backward()
+            total += float(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return {"loss": float(loss)}
+        return {"loss": total}
 
     run()  # warm-up
     return run, dict(threads=torch.get_num_threads())
@@ -275,8 +312,12 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv_heads", type=int, default=4)
-    ap.add_argument("--pairs", type=int, default=2, help="pairs per step (x2 sequences)")
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--pairs", type=int, default=None, help="pairs per step (x2 sequences); default 2, with "
+                    "--model 8")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence; default 512, with --model and "
+                    "--step dpo 384")
+    ap.add_argument("--model", default="", help="an HF Llama checkpoint directory: both sides run its weights "
+                    "(its config replaces --vocab ... --kv_heads)")
     ap.add_argument("--step", choices=("critic", "dpo"), default="critic",
                     help="critic: Bradley-Terry on trajectory pairs (4 turns); dpo: the policy's step-level DPO")
     ap.add_argument("--steps", type=int, default=3, help="timed rounds (each side: 1 warm-up step + these)")
@@ -290,6 +331,13 @@ def main():
     ap.add_argument("--_path", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default="{}", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.model:
+        hf = json.load(open(os.path.join(a.model, "config.json")))
+        a.vocab, a.hidden, a.intermediate = hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"]
+        a.layers, a.heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        a.kv_heads = hf.get("num_key_value_heads", a.heads)
+    a.pairs = a.pairs or (8 if a.model else 2)
+    a.seq = a.seq or (384 if a.model and a.step == "dpo" else 512)
     a.forward = [f"--{k}={getattr(a, k)}" for k in ("vocab", "hidden", "intermediate", "layers", "heads",
                                                    "kv_heads", "pairs", "seq", "step")]
     if a._child:
@@ -297,15 +345,21 @@ def main():
         return
 
     jax_spec = parse_spec(a.jax, JAX_DEFAULT)
-    sides_def = [("sweet_jax", "jax", jax_spec), ("torch", "torch", parse_spec(a.torch, TORCH_DEFAULT)),
+    jax_micro = int(jax_spec["micro"]) or auto_micro(a)
+
+    def torch_spec(text):
+        spec = parse_spec(text, TORCH_DEFAULT)
+        return dict(spec, micro=str(jax_micro)) if spec["micro"] == "auto" else spec
+    sides_def = [("sweet_jax", "jax", jax_spec), ("torch", "torch", torch_spec(a.torch)),
                  ("peak", "peak", dict(xla_flags=jax_spec["xla_flags"]))]
     sides_def += [(f"sweet_jax[{v}]", "jax", parse_spec(v, jax_spec)) for v in a.jax_variant]
-    sides_def += [(f"torch[{v}]", "torch", parse_spec(v, parse_spec(a.torch, TORCH_DEFAULT)))
+    sides_def += [(f"torch[{v}]", "torch", torch_spec(",".join(filter(None, (a.torch, v)))))
                   for v in a.torch_variant]
     load0, t_start = os.getloadavg(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
-        save_hf_model(a, model_dir)
+        model_dir = a.model or os.path.join(tmp, "model")
+        if not a.model:
+            save_hf_model(a, model_dir)
         sides = [Side(name, kind, spec, a, model_dir, tmp) for name, kind, spec in sides_def]
         infos = {s.name: s.expect("READY") for s in sides}  # all compile / warm up concurrently, untimed
         for r in range(a.steps):
@@ -335,7 +389,8 @@ def main():
     def side_flops(s):
         return scored_flops if s.spec.get("score") == "1" or s.spec.get("logp") == "scored" else flops
     print(f"{a.step} step, {ji['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
-          f"{a.vocab}), {a.pairs} pairs x 2 x {a.seq} tokens, float32, CPU with {os.cpu_count()} cores "
+          f"{a.vocab}{', weights of ' + a.model if a.model else ', random weights'}), {a.pairs} pairs x 2 x {a.seq} "
+          f"tokens (micro-batches of {jax_micro} pairs on the sweet_jax side), float32, CPU with {os.cpu_count()} cores "
           f"(torch threads {infos['torch']['threads']}); {a.steps} interleaved rounds after 1 warm-up step each")
     print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; {time.time() - t_start:.0f} s in all")
     print(f"float32 matmul peak (2048^3, best over rounds): jax {peak_jax / 1e9:.1f} GFLOP/s, torch "
@@ -356,7 +411,7 @@ def main():
     per_round = [tt / jj for tt, jj in zip(t.times, j.times)]
     jmed = float(np.median(j.times))
     print(f"\nsweet_jax / torch tokens/s: {float(np.median(per_round)):.2f}x (median of per-round ratios "
-          f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= 1.5x); "
+          f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= {2.0 if a.model else 1.5}x); "
           f"MFU {100 * side_flops(j) / jmed / peak_flops:.1f}% (target >= 50%; "
           f"{100 * (side_flops(j) - attn_flops / 2) / jmed / peak_flops:.1f}% counting only the causal half of "
           f"attention)")

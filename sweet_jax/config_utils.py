@@ -21,7 +21,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"         # compute dtype
     c.model.param_dtype = "float32"   # storage dtype of the trained parameters
     c.model.remat = "none"            # none | full | dots_saveable
-    c.model.attention_impl = "xla"    # xla | cudnn | chunked | blocked | auto (see models/llama.py)
+    c.model.attention_impl = "auto"   # auto | xla | cudnn | chunked | blocked (see models/llama.py)
     c.model.attention_chunk_size = 512  # query rows per block of attention_impl="chunked"
     c.model.scan_layers = False       # stacked decoder layers under jax.lax.scan (one layer compiled, not 32/80)
     c.model.sequence_parallel = False  # residual stream between layers split over 'tensor' along tokens
@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 8            # pairs per optimiser step (global, over all hosts)
-    c.train.micro_batch_size = 0      # pairs per forward/backward pass; 0 = batch_size (no accumulation)
+    c.train.micro_batch_size = 0      # pairs per forward/backward pass; 0 = automatic (steps.auto_micro_batch_size)
     c.train.epochs = 1
     c.train.num_steps = 0             # > 0 overrides epochs
     c.train.seed = 0

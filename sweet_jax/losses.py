@@ -89,34 +89,47 @@ _label_logprobs_keep_logits.defvjp(_label_logprobs_fwd, _label_logprobs_bwd)
 
 
 def _check_chunk(chunk_size: int) -> None:
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise LossConfigError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}.")
 
 
-def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.Array, *,
-                   chunk_size: int = 512) -> jax.Array:
-    """log softmax(hidden @ unembed)[label] per position -> [B, N] float32, `chunk_size` positions at a time.
+LOGITS_CHUNK_BYTES = 256 << 20  # float32 logits of one chunk when chunk_size is None: 1,365 positions at V = 49152
 
-    [B, N, V] float32 logits never exist when N > chunk_size: the forward keeps one [B, chunk, V] block at a
+
+def logits_chunk_positions(vocab_size: int, chunk_size: int | None = None) -> int:
+    """Positions per chunk of the unembedding: chunk_size, or (None) as many as fit LOGITS_CHUNK_BYTES of float32
+    logits, so the transient [chunk, V] block (and its cotangent) stays the same size for any vocabulary."""
+    if chunk_size is None:
+        return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+    _check_chunk(chunk_size)
+    return chunk_size
+
+
+def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.Array, *,
+                   chunk_size: int | None = None) -> jax.Array:
+    """log softmax(hidden @ unembed)[label] per position -> [B, N] float32, `chunk_size` positions at a time,
+    counted over the whole batch (B x N positions; None: LOGITS_CHUNK_BYTES of logits, logits_chunk_positions).
+
+    [B, N, V] float32 logits never exist when B x N > chunk_size: the forward keeps one [chunk, V] block at a
     time, and each chunk is rematerialised in the backward pass (jax.checkpoint), so the scan saves only its
-    [B, chunk, D] inputs. When everything fits in one chunk, remat would save no peak memory, so the logits are
+    [chunk, D] inputs. Chunks are cut from the flattened positions, not per sequence: at 16 sequences of 512
+    tokens and V = 49152 one 512-token chunk per sequence would be 1.6 GB of logits plus as much again for
+    their cotangent. When everything fits in one chunk, remat would save no peak memory, so the logits are
     kept for a fused backward (d logp / d logits = onehot - softmax in one pass; 0.87x the time of a whole CPU
     critic step).
     """
-    _check_chunk(chunk_size)
     B, n, D = hidden_BND.shape
     if n == 0:
         return jnp.zeros((B, 0), jnp.float32)
-    chunk = min(chunk_size, n)
-    num_chunks = -(-n // chunk)
-    if num_chunks == 1:
+    chunk = logits_chunk_positions(unembed_DV.shape[1], chunk_size)
+    total = B * n
+    if total <= chunk:
         return _label_logprobs_keep_logits(hidden_BND, labels_BN, unembed_DV)
-    pad = num_chunks * chunk - n
-    hidden = jnp.pad(hidden_BND, ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(labels_BN, ((0, 0), (0, pad)))
-    # [num_chunks, B, chunk, ...]: scan over the leading axis.
-    hidden_NBCD = hidden.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
-    labels_NBC = labels.reshape(B, num_chunks, chunk).swapaxes(0, 1)
+    num_chunks = -(-total // chunk)
+    pad = num_chunks * chunk - total
+    # [num_chunks, 1, chunk, ...]: scan over the leading axis, one [1, chunk, D] block per step.
+    hidden_N1CD = jnp.pad(hidden_BND.reshape(total, D), ((0, pad), (0, 0))).reshape(num_chunks, 1, chunk, D)
+    labels_N1C = jnp.pad(labels_BN.reshape(total), (0, pad)).reshape(num_chunks, 1, chunk)
 
     chunk_fn = jax.checkpoint(_chunk_label_logprobs)
 
@@ -124,16 +137,16 @@ def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.
         h, y = xs
         return None, chunk_fn(h, y, unembed_DV)
 
-    _, logp_NBC = jax.lax.scan(body, None, (hidden_NBCD, labels_NBC))
-    return logp_NBC.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :n]
+    _, logp_N1C = jax.lax.scan(body, None, (hidden_N1CD, labels_N1C))
+    return logp_N1C.reshape(num_chunks * chunk)[:total].reshape(B, n)
 
 
 def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array, *,
-                   chunk_size: int = 512) -> jax.Array:
+                   chunk_size: int | None = None) -> jax.Array:
     """Label log-probs of every position from final hidden states: logp_BT[:, t] = log p(input_ids[:, t] |
     hidden at t-1), logp_BT[:, 0] = 0. Same values and gradients as `token_logprobs_naive(hidden @ unembed,
     ids)`, computed by `label_logprobs` (chunked)."""
-    _check_chunk(chunk_size)
+    logits_chunk_positions(1, chunk_size)  # a bad chunk_size fails here, whatever T is
     B, T, _ = hidden_BTD.shape
     if T <= 1:
         return jnp.zeros((B, T), jnp.float32)
@@ -142,7 +155,7 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: j
 
 
 def token_logprobs_at(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array,
-                      positions_BS: jax.Array, *, chunk_size: int = 512) -> jax.Array:
+                      positions_BS: jax.Array, *, chunk_size: int | None = None) -> jax.Array:
     """`token_logprobs(...)` read at `positions_BS` only ([B, S] int, -1 = padding, which gets 0) -> [B, S].
 
     The losses need the log-probs of the action tokens alone, so the trainer passes their positions (the

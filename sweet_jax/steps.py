@@ -144,7 +144,7 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 # Forward pieces
 
 
-def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *, chunk_size: int,
+def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *, chunk_size: int | None,
                       positions_NS=None, temperature: float = 1.0):
     """Per-token label log-probs [N, T] float32 from the model's hidden states (chunked unembedding); with
     positions_NS [N, S] (-1 = padding), only at those positions: [N, S] (losses.token_logprobs_at).
@@ -210,7 +210,7 @@ class LossSpec:
     advantage_norm: str = "turn_mean"
     nll_coef: float = 0.0
     label_smoothing: float = 0.0
-    chunk_size: int = 512
+    chunk_size: int | None = None  # unembedding positions per chunk (losses.label_logprobs; None: by bytes)
     nll_scope: str = "reply"       # 'reply' (the paper) | 'sequence' (the official trainer: prompt included)
 
     def denominator(self, batch) -> jax.Array:
@@ -251,8 +251,37 @@ def _constrain(x, mesh, spec):
     return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+# What the activations of one micro-batch may take when micro_batch_size is 0 (automatic), per device.
+ACTIVATION_BUDGET_BYTES = 1 << 30
+
+
+def activation_bytes_per_token(config) -> int:
+    """Bytes a training forward keeps per token for its backward pass (estimate, LlamaConfig `config`): per
+    decoder layer the inputs of its norms, projections and SwiGLU (hidden, K/V, [tokens, F] gate and up; the
+    attention logits are recomputed, models/llama.py), or with remat only the layer's input."""
+    c = config
+    itemsize = jnp.dtype(c.dtype).itemsize
+    if c.remat != "none":
+        return c.num_layers * c.hidden_size * itemsize
+    return c.num_layers * (8 * c.hidden_size + 4 * c.num_kv_heads * c.head_dim + 3 * c.intermediate_size) * itemsize
+
+
+def auto_micro_batch_size(config, batch_shape, *, batch_devices: int = 1, budget_bytes: int | None = None) -> int:
+    """The largest micro-batch (examples, a divisor of the batch and a multiple of the batch-sharded devices)
+    whose activations (activation_bytes_per_token) fit budget_bytes (default ACTIVATION_BUDGET_BYTES) per
+    device; the smallest such one if none fits. batch_shape: [B, P, T] of the step's batch."""
+    budget_bytes = ACTIVATION_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    B, P, T = batch_shape
+    per_example = P * T * activation_bytes_per_token(config)
+    fitting = [m for m in range(B, 0, -1) if B % m == 0 and m % batch_devices == 0]
+    if not fitting:
+        return B
+    return next((m for m in fitting if m // batch_devices * per_example <= budget_bytes), fitting[-1])
+
+
 def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params, *, micro_batch_size, mesh):
-    """Sum of micro-batch gradients and metrics; equal to the full batch's (losses share one denominator)."""
+    """Sum of micro-batch gradients and metrics; equal to the full batch's (losses share one denominator).
+    micro_batch_size 0: auto_micro_batch_size for this batch's shape and the model."""
     denom = spec.denominator(batch)
 
     def loss_fn(p, micro):
@@ -260,7 +289,12 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     B = batch["input_ids"].shape[0]
-    mb = micro_batch_size or B
+    if micro_batch_size:
+        mb = micro_batch_size
+    else:
+        batch_devices = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        mb = auto_micro_batch_size(nnx.merge(graphdef, params, rest).config, batch["input_ids"].shape,
+                                   batch_devices=batch_devices)
     if mb >= B:
         (_, metrics), grads = grad_fn(params, batch)
         return grads, metrics
@@ -312,7 +346,7 @@ def _make_train_step(spec: LossSpec, state: TrainState, optimizer, mesh, *, micr
 
 
 def make_critic_step(state: TrainState, optimizer, mesh=None, *, beta: float = 0.1,
-                     advantage_norm: str = "turn_mean", micro_batch_size: int = 0, chunk_size: int = 512,
+                     advantage_norm: str = "turn_mean", micro_batch_size: int = 0, chunk_size: int | None = None,
                      lr_schedule=None, ref_in_step: bool = False):
     """critic_step(state, batch[, ref_params]) -> (state, metrics): Bradley-Terry over trajectory pairs.
 
@@ -329,7 +363,7 @@ def make_critic_step(state: TrainState, optimizer, mesh=None, *, beta: float = 0
 
 def make_policy_step(state: TrainState, optimizer, mesh=None, *, kind: str = "dpo", beta: float = 0.1,
                      nll_coef: float = 0.0, label_smoothing: float = 0.0, micro_batch_size: int = 0,
-                     chunk_size: int = 512, lr_schedule=None, ref_in_step: bool = False, nll_scope: str = "reply"):
+                     chunk_size: int | None = None, lr_schedule=None, ref_in_step: bool = False, nll_scope: str = "reply"):
     """policy_step(state, batch[, ref_params]) -> (state, metrics).
 
     kind 'dpo': step-level DPO on [B, 2, T] candidate pairs + nll_coef x chosen per-token NLL; 'mtdpo':
@@ -348,7 +382,7 @@ def make_policy_step(state: TrainState, optimizer, mesh=None, *, kind: str = "dp
                             lr_schedule=lr_schedule, ref_in_step=ref_in_step and spec.needs_ref)
 
 
-def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, chunk_size: int = 512):
+def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, chunk_size: int | None = None):
     """ref_logp(params, batch) -> [B, P, T] float32 label log-probs of the frozen reference model.
 
     No gradients, nothing donated: call it once per batch before training and store the result in
@@ -365,7 +399,7 @@ def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, c
 
 
 def make_score_step(graphdef, params_shardings=None, mesh=None, *, num_turns: int = 1,
-                    advantage_norm: str = "turn_mean", rest=None, chunk_size: int = 512,
+                    advantage_norm: str = "turn_mean", rest=None, chunk_size: int | None = None,
                     ref_in_step: bool = False, temperature: float = 1.0):
     """score(params, batch[, ref_params]) -> per-turn critic advantages [B, P, num_turns] float32.
 

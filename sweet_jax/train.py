@@ -89,7 +89,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
     mb = config.train.micro_batch_size
     need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",
-         f"must be 0 (no accumulation) or divide train.batch_size={config.train.batch_size}")
+         f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
     need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
     need(config.data.max_len > 0 and config.data.bucket > 0, "data.max_len", "max_len and bucket must be > 0")
     need(0.0 <= config.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")

@@ -160,6 +160,25 @@ def test_chunked_logprobs_never_build_full_float32_logits():
     assert chunked < full_logits / 4, (chunked, full_logits)
 
 
+def test_chunks_are_cut_over_the_whole_batch_not_per_sequence():
+    # 32 sequences of 64 positions: each fits one 128-position chunk, the batch does not; cutting per sequence
+    # would hold all [32, 63, V] float32 logits (and their cotangent) at once.
+    B, T, D, V, chunk = 32, 64, 16, 4096, 128
+    args = (jax.ShapeDtypeStruct((B, T, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32))
+    grad = jax.jit(jax.grad(lambda h, w, i: losses.token_logprobs(h, w, i, chunk_size=chunk).sum(), argnums=(0, 1)))
+    temps = grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temps < B * (T - 1) * V * 4 / 4, temps
+
+
+def test_default_chunk_holds_a_fixed_budget_of_logits():
+    assert losses.logits_chunk_positions(49152) * 49152 * 4 <= losses.LOGITS_CHUNK_BYTES
+    assert losses.logits_chunk_positions(49152) == losses.LOGITS_CHUNK_BYTES // (4 * 49152)
+    assert losses.logits_chunk_positions(49152, 7) == 7
+    with pytest.raises(losses.LossConfigError):
+        losses.logits_chunk_positions(49152, 0)
+
+
 def test_single_chunk_logprobs_keep_logits_for_backward_instead_of_recomputing():
     # One chunk holds all the logits anyway, so the backward reuses them: 3 unembedding matmuls, not 4.
     B, T, D, V = 1, 65, 16, 4096

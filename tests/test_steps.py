@@ -1,4 +1,6 @@
 """sweet_jax.steps on a tiny Llama: sharded == single device, accumulation == full batch, the critic learns."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,38 @@ def test_gradient_accumulation_equals_full_batch(kind):
         np.testing.assert_allclose(micro[name], full[name], rtol=1e-5, atol=1e-6, err_msg=name)
     want = flat_params(full_state)
     for name, value in flat_params(micro_state).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_auto_micro_batch_fits_the_activation_budget():
+    big = dataclasses.replace(CFG, num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                              num_kv_heads=3, head_dim=64)  # SmolLM2-135M's layers
+    per_pair = 2 * 512 * steps.activation_bytes_per_token(big)
+    assert steps.auto_micro_batch_size(big, (8, 2, 512), budget_bytes=4 * per_pair) == 4
+    assert steps.auto_micro_batch_size(big, (8, 2, 512), budget_bytes=3 * per_pair) == 2  # a divisor of 8
+    assert steps.auto_micro_batch_size(big, (8, 2, 512), budget_bytes=per_pair // 2) == 1  # none fits: smallest
+    assert steps.auto_micro_batch_size(big, (8, 2, 512), budget_bytes=per_pair, batch_devices=4) == 4  # per device
+    remat = dataclasses.replace(big, remat="full")  # only each layer's input is kept
+    assert steps.activation_bytes_per_token(remat) == 30 * 576 * 4
+    assert steps.auto_micro_batch_size(CFG, (8, 2, 24)) == 8  # a small model: the whole batch at once
+
+
+def test_automatic_micro_batches_equal_the_full_batch(monkeypatch):
+    """micro_batch_size=0 with a batch over the activation budget accumulates micro-batches (a scan in the step)
+    and gives the full batch's loss and parameters."""
+    batch = pair_batch(seed=3)
+    full_state, full = run_step("critic", None, batch, micro_batch_size=8)
+    per_pair = 2 * 24 * steps.activation_bytes_per_token(CFG)
+    monkeypatch.setattr(steps, "ACTIVATION_BUDGET_BYTES", 2 * per_pair)
+    assert steps.auto_micro_batch_size(CFG, (8, 2, 24)) == 2
+    optimizer = optax.sgd(0.1)
+    state = steps.create_train_state(make_model(), optimizer)
+    step = steps.make_critic_step(state, optimizer, beta=0.5, chunk_size=8)
+    assert "scan" in str(jax.make_jaxpr(step)(state, batch))
+    auto_state, auto = step(state, batch)
+    np.testing.assert_allclose(auto["loss"], full["loss"], rtol=1e-5)
+    want = flat_params(full_state)
+    for name, value in flat_params(auto_state).items():
         np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
