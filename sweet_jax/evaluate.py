@@ -8,29 +8,17 @@ records is kept. A trajectory whose evaluation hit a sandbox failure (status inf
 written without a reward and makes the command exit with status 2: it is never scored as a pass.
 """
 
-import argparse
 import dataclasses
-import json
 import sys
 import time
 
-from sweet_jax.sandbox import Evaluator, SandboxError
+from sweet_jax import cli, jsonl
+from sweet_jax.data.schema import load_trajectories
+from sweet_jax.sandbox import Evaluator
 
 
 def _load(path, skip_bad):
-    """[(record to write back, task, answer)], through sweet_jax.data when it is available."""
-    try:
-        from sweet_jax.data import load_trajectories
-    except ImportError:  # data package absent: plain JSONL, every field kept as is
-        rows = []
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "task" not in record:
-                        raise SandboxError(f"{path}:{line_no}: not a trajectory object with a 'task'")
-                    rows.append((record, record["task"], record.get("answer") or ""))
-        return rows
+    """[(record to write back, task, answer)]: a bad row is one line naming file:line and field."""
     return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad)]
 
 
@@ -49,7 +37,7 @@ def _with_reward(record, reward, details):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m sweet_jax.evaluate", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m sweet_jax.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("trajectories", help="JSONL of trajectories (task, dialogue_history, answer)")
     parser.add_argument("--out", required=True, help="where to write the scored JSONL")
     parser.add_argument("--details", action="store_true",
@@ -75,11 +63,9 @@ def main(argv=None):
         mode = evaluator.mode
 
     infra = [i for i, s in enumerate(scores) if s.status != "ok"]
-    with open(args.out, "w") as f:
-        for (record, _, _), score in zip(rows, scores):
-            reward = score.reward if score.status == "ok" else None
-            details = score.to_json() if args.details else None
-            f.write(json.dumps(_with_reward(record, reward, details)) + "\n")
+    jsonl.write(args.out, [_with_reward(record, score.reward if score.status == "ok" else None,
+                                        score.to_json() if args.details else None)
+                           for (record, _, _), score in zip(rows, scores)])
 
     ok = [s for s in scores if s.status == "ok"]
     cases = sum(s.total for s in ok)
@@ -104,4 +90,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, allocator=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import pathlib
 
-from sweet_jax import errors
+from sweet_jax import cli
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.export")
@@ -64,13 +64,12 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    path = errors.cli_main(log, lambda: export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
-                                               max_shard_size=FLAGS.max_shard_size))
+    path = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size)
     print(f"exported to {path}")
 
 
-if __name__ == "__main__":
-    from absl import app, flags
+def define_flags():
+    from absl import flags
 
     flags.DEFINE_string("workdir", None, "the training run directory (holds config.json and checkpoints/)")
     flags.DEFINE_string("out", None, "output Hugging Face checkpoint directory")
@@ -78,4 +77,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("dtype", None, "tensor dtype on disk, e.g. bfloat16 (default: the parameter dtype)")
     flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard")
     flags.mark_flags_as_required(["workdir", "out"])
-    app.run(main)
+
+
+if __name__ == "__main__":
+    cli.run(main, define_flags=define_flags)

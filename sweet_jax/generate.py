@@ -344,6 +344,9 @@ class Sampler:
 
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
                  stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None):
+        if tokenizer is not None:
+            from sweet_jax.data.tokenizers import check_vocab
+            check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
         # HF fast tokenizers are not safe to call from several threads at once (the server does).
         self._tokenizer_lock = threading.RLock()

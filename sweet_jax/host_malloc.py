@@ -113,12 +113,13 @@ def reexec_with_allocator() -> None:
     library code (it replaces the process)."""
     if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
-    mode = os.environ.get(MODE_VAR) or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
+    asked = os.environ.get(MODE_VAR)
+    mode = asked or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
     try:
         changes, problem = allocator_env_here(mode, dict(os.environ))
     except ValueError as e:  # an unknown mode: one line, not a traceback
         sys.exit(f"error: {e}")
-    if problem:
+    if problem and asked:  # the automatic choice falls back quietly (the training log names the allocator)
         logging.getLogger(__name__).warning("%s=%s: %s", MODE_VAR, mode, problem)
     if not changes:
         return

@@ -100,15 +100,20 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._written: set[tuple[int, str]] = set()  # (step, split): a rerun never logs a step twice
         if self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._written = {(int(r.get("step", 0)), r.get("split", "train")) for r in kept}
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
 
     def write(self, step: int, scalars: dict, *, split: str = "train") -> None:
         if not self.enabled:
             return
+        if (int(step), split) in self._written:
+            return
+        self._written.add((int(step), split))
         record = {"step": int(step), "split": split}
         record.update({k: _to_float(v) for k, v in scalars.items()})
         with self.path.open("a") as f:
@@ -136,10 +141,28 @@ def read_metrics(path) -> list[dict]:
 
 
 PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "grad_norm", "lr", "tokens_per_s", "mfu")
+# The y axis of each panel: what the number is and its unit.
+Y_LABELS = {
+    "loss": "loss (nats per pair)", "pair_accuracy": "fraction of pairs ranked right", "margin": "chosen - rejected (nats)",
+    "chosen_score": "score of chosen (nats)", "rejected_score": "score of rejected (nats)",
+    "grad_norm": "global L2 norm", "lr": "learning rate", "tokens_per_s": "tokens / s", "mfu": "fraction of peak FLOP/s",
+}
+FEW_POINTS = 40  # a series with at most this many points is drawn with markers: each value is visible
+
+
+def smoothed(ys, window: int) -> list[float]:
+    """Trailing mean over `window` values (fewer at the start): the trend under a noisy per-batch series."""
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot_curves(metrics_path, png_path, *, title: str = "") -> pathlib.Path:
-    """One PNG with a panel per metric: train curve plus eval points."""
+    """One PNG with a panel per metric: the train series (with a smoothed pair accuracy), eval points marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -148,16 +171,25 @@ def plot_curves(metrics_path, png_path, *, title: str = "") -> pathlib.Path:
     keys = [k for k in PLOTTED if any(k in r for r in records)]
     cols = 3
     rows = max(1, math.ceil(len(keys) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.1 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for split, style in (("train", "-"), ("eval", "o-")):
+        for split in ("train", "eval"):
             pts = [(r["step"], r[key]) for r in records
                    if r.get("split") == split and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, style, label=split, markersize=3)
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            marker = "o" if split == "eval" or len(pts) <= FEW_POINTS else None
+            smooth = split == "train" and key == "pair_accuracy" and len(pts) >= 5
+            ax.plot(xs, ys, "-", marker=marker, markersize=3, label=f"{split} (per batch)" if smooth else split,
+                    alpha=0.45 if smooth else 1.0, color="C0" if split == "train" else "C1")
+            if smooth:
+                window = max(3, len(pts) // 10)
+                ax.plot(xs, smoothed(list(ys), window), "-", color="C0", linewidth=2,
+                        label=f"train (mean of last {window})")
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.set_ylabel(Y_LABELS.get(key, key), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(keys):]:

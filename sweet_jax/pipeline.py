@@ -33,14 +33,14 @@ import os
 import pathlib
 import random
 import shutil
-import sys
 import time
 from typing import Any, Callable, Sequence
 
 import ml_collections
 import numpy as np
 
-from sweet_jax.data.schema import write_jsonl   # atomic: a crash never leaves half a stage's file
+from sweet_jax import jsonl
+from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.pipeline")
@@ -121,8 +121,7 @@ def _short(summary: dict) -> str:
 
 
 def _read_jsonl(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return jsonl.read(path)
 
 
 def methods_of(config) -> list[str]:
@@ -749,29 +748,24 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "sweet_jax.data"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        summaries = run_pipeline(FLAGS.config, FLAGS.workdir)
-    except SweetJaxError as e:
-        log.debug("error details", exc_info=True)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
+    summaries = run_pipeline(FLAGS.config, FLAGS.workdir)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)
     print(f"stages run: {', '.join(summaries['_ran']) or 'none'}; skipped (already done): "
           f"{', '.join(summaries['_skipped']) or 'none'}", flush=True)
 
 
-if __name__ == "__main__":
-    from sweet_jax.host_malloc import reexec_with_allocator
-    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    from absl import app
+def define_flags():
+    from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/pipeline.py:demo", "pipeline config (file:preset)",
-                                    lock_config=True)
-    flags = __import__("absl.flags", fromlist=["flags"])
+    from sweet_jax import cli
+    config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
+                                    "pipeline config (file:preset)", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
     flags.mark_flags_as_required(["workdir"])
-    app.run(main)
+
+
+if __name__ == "__main__":
+    from sweet_jax import cli
+    cli.run(main, define_flags=define_flags, help_configs=("configs/pipeline.py:demo",))

@@ -22,7 +22,9 @@ import re
 import sys
 from typing import Sequence
 
+from sweet_jax import cli, jsonl
 from sweet_jax.data import synthetic
+from sweet_jax.errors import SweetJaxError
 from sweet_jax.envs import ANSWER_MARKER
 
 
@@ -44,12 +46,9 @@ def reply_worth(task, prompt_messages: Sequence[dict], reply: str) -> float:
 
 def pair_oracle_agreement(pairs_path, trajectories_path) -> dict:
     """Share of a ranking's pairs (rank*/pairs.jsonl) whose chosen reply the oracle also prefers."""
-    trajs = [json.loads(line) for line in pathlib.Path(trajectories_path).read_text().splitlines() if line.strip()]
+    trajs = jsonl.read(trajectories_path)
     agree = disagree = ties = 0
-    for line in pathlib.Path(pairs_path).read_text().splitlines():
-        if not line.strip():
-            continue
-        p = json.loads(line)
+    for p in jsonl.read(pairs_path):
         task = trajs[p["trajectory_index"]]["task"]
         chosen = reply_worth(task, p["prompt"], p["chosen"])
         rejected = reply_worth(task, p["prompt"], p["rejected"])
@@ -71,12 +70,9 @@ def _kind(reply: str) -> str:
 def pair_kinds(pairs_path, trajectories_path) -> dict:
     """Oracle agreement by the kinds of the two replies (chosen vs rejected: question / answer): which
     decisions the ranking gets right. {"question>answer": [agree, decided], ...}."""
-    trajs = [json.loads(line) for line in pathlib.Path(trajectories_path).read_text().splitlines() if line.strip()]
+    trajs = jsonl.read(trajectories_path)
     out: dict[str, list[int]] = {}
-    for line in pathlib.Path(pairs_path).read_text().splitlines():
-        if not line.strip():
-            continue
-        p = json.loads(line)
+    for p in jsonl.read(pairs_path):
         task = trajs[p["trajectory_index"]]["task"]
         chosen, rejected = (reply_worth(task, p["prompt"], p[k]) for k in ("chosen", "rejected"))
         if chosen == rejected:
@@ -140,7 +136,7 @@ def behaviour_diagnostics(workdir) -> dict:
     out = {}
     for name, path in sources.items():
         if path.exists():
-            out[name] = policy_behaviour([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+            out[name] = policy_behaviour(jsonl.read(path))
     return out
 
 
@@ -156,11 +152,15 @@ def run_diagnostics(workdir) -> dict:
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m sweet_jax.pipeline_diagnostics WORKDIR", file=sys.stderr)
-        sys.exit(2)
-    workdir = pathlib.Path(argv[0])
+    parser = cli.ArgumentParser(prog="python -m sweet_jax.pipeline_diagnostics",
+                                description="Diagnostics of a pipeline run's rankings and policies (JSON).")
+    parser.add_argument("workdir", help="a `python -m sweet_jax.pipeline` run directory")
+    workdir = pathlib.Path(parser.parse_args(sys.argv[1:] if argv is None else argv).workdir)
+    if not workdir.is_dir():
+        raise SweetJaxError(f"{workdir} is not a directory: pass the --workdir of a `python -m sweet_jax.pipeline` run")
+    if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):
+        raise SweetJaxError(f"{workdir} holds no pipeline stage (offline/, rank/): pass the --workdir of a "
+                            "`python -m sweet_jax.pipeline` run")
     report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
     traj = workdir / "offline" / "trajectories.jsonl"
     for name in ("rank", "rank_no_info"):
@@ -170,4 +170,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, allocator=False)

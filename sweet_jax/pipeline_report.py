@@ -7,14 +7,13 @@ DIR/results.png with mean +- standard deviation over the runs.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
 from typing import Sequence
 
 import numpy as np
 
+from sweet_jax import cli
 from sweet_jax.errors import SweetJaxError
 
 # Rows in the paper's order (its Table 1), with the names it uses.
@@ -145,20 +144,17 @@ def write_report(runs: Sequence[dict], out_dir, *, title: str = "") -> tuple[pat
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Mean results table and chart over pipeline runs (seeds).")
+    parser = cli.ArgumentParser(prog="python -m sweet_jax.pipeline_report",
+                                description="Mean results table and chart over pipeline runs (seeds).")
     parser.add_argument("workdirs", nargs="+", help="pipeline workdirs (each with results.json)")
     parser.add_argument("--out", required=True, help="directory for results.md and results.png")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
-    try:
-        runs = [read_results(w) for w in args.workdirs]
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    runs = [read_results(w) for w in args.workdirs]
     md, png = write_report(runs, args.out, title=args.title)
     print(md.read_text())
     print(f"wrote {md} and {png}")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, allocator=False)

@@ -347,15 +347,10 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    try:
-        topology = parse_topology(FLAGS.topology)
-        plan = (extrapolated_plan(FLAGS.config, topology) if FLAGS.estimate
-                else make_plan(FLAGS.config, topology))
-    except SweetJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    topology = parse_topology(FLAGS.topology)
+    plan = extrapolated_plan(FLAGS.config, topology) if FLAGS.estimate else make_plan(FLAGS.config, topology)
     print(report(plan))
-    sys.exit(0 if plan.fits else 1)
+    return 0 if plan.fits else 1
 
 
 def define_flags():
@@ -373,6 +368,6 @@ if __name__ == "__main__":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Compile only: keep JAX's own backend on the host CPU even where a TPU is attached to this machine.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from absl import app
-    define_flags()
-    app.run(main)
+    from sweet_jax import cli
+    cli.run(main, define_flags=define_flags, allocator=False,
+            help_configs=("configs/critic.py:llama3_8b", "configs/policy.py:llama3_8b"))

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import pathlib
-import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -382,20 +381,18 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     result = run(config)
     print(f"{config.output}: {json.dumps(result)}", flush=True)
 
 
-if __name__ == "__main__":
-    from sweet_jax.host_malloc import reexec_with_allocator
-    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    from absl import app
+def define_flags():
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/rank.py:demo", "rank config (file:preset)", lock_config=True)
-    try:
-        app.run(main)
-    except SweetJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from sweet_jax import cli
+    config_flags.DEFINE_config_file("config", cli.resolve_config("configs/rank.py:demo"), "rank config (file:preset)",
+                                    lock_config=True)
+
+
+if __name__ == "__main__":
+    from sweet_jax import cli
+    cli.run(main, define_flags=define_flags, help_configs=("configs/rank.py:demo",))

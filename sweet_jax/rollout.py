@@ -27,15 +27,14 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import pathlib
-import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from sweet_jax.envs import (AGENT_PROMPT, NO_ANSWER, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
                             Simulator, SimulatorError, task_field, task_json)
+from sweet_jax import jsonl
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -153,37 +152,14 @@ def task_id(task: Any) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 def read_records(path: pathlib.Path, *, repair: bool = False) -> list[dict]:
-    """The complete records of a JSONL file. A last line without its newline is the write a crash cut
-    short: it is dropped (and, with repair=True, truncated from the file). A bad line elsewhere is an error."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    complete = data[:data.rfind(b"\n") + 1]
-    if repair and len(complete) != len(data):
-        log.warning("%s: dropping a half-written last line (%d bytes) left by an interrupted run",
-                    path, len(data) - len(complete))
-        with open(path, "r+b") as f:
-            f.truncate(len(complete))
-    records = []
-    for lineno, line in enumerate(complete.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise RolloutError(f"{path}:{lineno}: not valid JSON ({e}); the output file is damaged. Move it "
-                               "aside or pick another --config.output") from e
-    return records
+    """The complete records of an append-only JSONL output. A last line without its newline is the write a crash
+    cut short: it is dropped (and, with repair=True, truncated from the file). A bad line elsewhere is an error."""
+    return jsonl.read(path, partial="repair" if repair else "drop")
 
 
 def append_records(path: pathlib.Path, records: Sequence[dict]) -> None:
     """Append, flush and fsync: once this returns the batch survives a crash."""
-    if not records:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
+    jsonl.append(path, records)
 
 
 def failures_path(out: pathlib.Path) -> pathlib.Path:
@@ -441,21 +417,18 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     summary = run(config)
     print(format_summary(summary, config.output), flush=True)
 
 
-if __name__ == "__main__":
-    from sweet_jax.host_malloc import reexec_with_allocator
-    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    from absl import app, flags
+def define_flags():
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/rollout.py:demo", "rollout config (file:preset)",
-                                    lock_config=True)
-    try:
-        app.run(main)
-    except SweetJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from sweet_jax import cli
+    config_flags.DEFINE_config_file("config", cli.resolve_config("configs/rollout.py:demo"),
+                                    "rollout config (file:preset)", lock_config=True)
+
+
+if __name__ == "__main__":
+    from sweet_jax import cli
+    cli.run(main, define_flags=define_flags, help_configs=("configs/rollout.py:demo",))

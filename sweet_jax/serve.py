@@ -28,7 +28,6 @@ idle timeouts, a body size limit, JSON errors everywhere); nothing else needs in
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import http
 import http.server
@@ -612,7 +611,8 @@ def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str |
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sweet_jax.serve", description=__doc__.split("\n\n")[0])
+    from sweet_jax import cli
+    parser = cli.ArgumentParser(prog="python -m sweet_jax.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
                         help="Hugging Face checkpoint directory, or a sweet_jax.train workdir (latest checkpoint)")
     parser.add_argument("--port", type=int, default=8000, help="0 = any free port (printed on start)")
@@ -624,7 +624,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64, help="most sample rows decoded together")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="how long to collect a batch")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
     sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
@@ -644,6 +643,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from sweet_jax.host_malloc import reexec_with_allocator
-    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    main()
+    from sweet_jax import cli
+    cli.run(main)

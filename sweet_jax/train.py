@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import json
 import logging
 import math
 import os
 import pathlib
 import signal
-import sys
 import tempfile
 import time
-from typing import Any
 
 import ml_collections
 import numpy as np
 
-from sweet_jax import config_utils, errors, host_malloc
+from sweet_jax import cli, config_utils, host_malloc
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger("sweet_jax.train")
@@ -47,28 +44,6 @@ class NanLossError(SweetJaxError):
 # ==========================================================================================================
 # Config
 # ==========================================================================================================
-
-def config_error_for_flags(argv: list[str], error: Exception) -> str:
-    """One line for a failed --config parse: which field is unknown and what it could be."""
-    base = config_utils.base_config()
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        path = arg[len("--config."):].split("=", 1)[0]
-        node: Any = base
-        walked = []
-        for part in path.split("."):
-            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-                options = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-                near = difflib.get_close_matches(part, options, n=1)
-                hint = f" (did you mean {'.'.join(walked + [near[0]])}?)" if near else \
-                    (f"; fields of {'.'.join(walked) or 'config'}: {', '.join(options)}" if options else "")
-                return f"unknown config field {path!r} in {arg!r}{hint}"
-            node = node[part]
-            walked.append(part)
-    first = str(error).strip().splitlines()
-    return f"bad --config: {first[-1] if first else type(error).__name__}"
-
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Values that are valid types but cannot work: fail before anything slow happens."""
@@ -239,18 +214,11 @@ def first_rows(num_rows: int, eval_fraction: float) -> int:
 
 
 def _read_jsonl(path: str, what: str, field: str) -> list[dict]:
+    from sweet_jax import jsonl
     from etils import epath
-    p = epath.Path(path)
-    if not p.exists():
+    if not epath.Path(path).exists():
         raise TrainConfigError(f"config.{field}={path!r} does not exist: set --config.{field} to the {what} JSONL")
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise TrainConfigError(f"{path}:{n}: not valid JSON ({e.msg}); fix or remove that line") from None
+    rows = jsonl.read(path)
     if not rows:
         raise TrainConfigError(f"config.{field}={path!r} has no rows: point --config.{field} at a non-empty {what} JSONL")
     return rows
@@ -519,11 +487,13 @@ def rename_metrics(m: dict) -> dict:
 # The run
 # ==========================================================================================================
 
-class Preempted(Exception):
-    """SIGTERM arrived (TPU preemption); a checkpoint of `step` was written. The CLI exits with 143."""
+class Preempted(cli.RunInterrupted):
+    """SIGTERM (TPU preemption) or Ctrl-C arrived; a checkpoint of `step` was written. The command line exits
+    with 128 + the signal's number (143, 130)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted: saved step {step}")
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(f"{name}: saved step {step}; rerun the same command to resume", 128 + signum)
         self.step = step
 
 
@@ -540,6 +510,17 @@ def nan_message(ckpt, step: int, m: dict, workdir) -> str:
             "lower --config.optim.lr or check the data, then rerun with the same --workdir to resume from it")
 
 
+def stage_title(config, workdir, steps: int) -> str:
+    """What the curves are of, in the method's words: the stage, the run directory, the steps."""
+    kind = config.loss.kind
+    stage = {"critic": "critic: Bradley-Terry on trajectory pairs" + ("" if config.loss.use_info else
+                                                                      ", without training-time information"),
+             "dpo": "policy: step-level DPO on critic-ranked pairs", "mtdpo": "policy: multi-turn DPO (baseline)",
+             "rft": "policy: rejection fine-tuning (baseline)"}.get(kind, kind)
+    where = "/".join(pathlib.PurePath(str(workdir)).parts[-2:])
+    return f"{stage} ({where}, {steps} steps)"
+
+
 def run(config: ml_collections.ConfigDict, workdir) -> dict:
     """Train as configured in `workdir` (resuming it if it holds a run). Returns a summary dict."""
     check_config(config)
@@ -552,7 +533,7 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
 def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextlib.ExitStack) -> dict:
     import jax
     from sweet_jax import checkpoint, metrics as metrics_lib, steps
-    from sweet_jax.data.tokenizers import load_tokenizer, pad_id
+    from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
 
     from etils import epath
     workdir = epath.Path(workdir)
@@ -593,6 +574,8 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
 
     # ---- model, optimiser, train state
     llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    check_vocab(llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
+                where=f"the tokenizer {tokenizer_path(config)}")
     model = build_model(config, llama_config, mesh)
     optimizer, lr_schedule = steps.optimizer_from_config(config.optim, total_steps)
     state = steps.create_train_state(model, optimizer, mesh)
@@ -678,10 +661,16 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
 
     # SIGTERM (TPU preemption): finish the step, save, exit. With several processes they must agree on the
     # step to save at: JAX's preemption sync point (the distributed runtime catches SIGTERM itself).
-    preempted = []
-    previous_handler = None
+    # Ctrl-C (SIGINT) the same way in one process: the step finishes and is saved, not lost with a traceback.
+    preempted: list[int] = []
+    previous_handlers = {}
     if jax.process_count() == 1:  # several processes: JAX's preemption notifier owns SIGTERM
-        previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.append(True))
+        def on_signal(signum, _frame):
+            if preempted and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
+            preempted.append(signum)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous_handlers[signum] = signal.signal(signum, on_signal)
 
     def preemption_requested(at_step: int) -> bool:
         if jax.process_count() > 1:
@@ -738,7 +727,7 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
                 sync_logs()
             if preemption_requested(step):
                 save(step, wait=True)
-                raise Preempted(step)
+                raise Preempted(step, preempted[0] if preempted else signal.SIGTERM)
             if hang_after and step == hang_after:
                 ckpt.wait()
                 print(f"SWEET_JAX_TEST: hanging after step {step}", flush=True)
@@ -748,14 +737,13 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
         run_eval(step)
         if restored is None or restored[0] < total_steps:
             save(step, wait=True)
-    except Preempted:
-        log.warning("SIGTERM: saved step %d to %s; rerun with the same --workdir to resume", step,
-                    workdir / CHECKPOINT_DIR)
+    except Preempted as e:
+        log.warning("%s (checkpoints in %s)", e, workdir / CHECKPOINT_DIR)
         raise
     finally:
         bar.close()  # before any error message, so the message is the last line
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
         ckpt.close()  # waits for saves in flight, on every way out (NaN, preemption, errors)
         writer.close()
         sync_logs()
@@ -767,7 +755,7 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
         summary["tokens_per_s"] = float(np.median([h["tokens_per_s"] for h in timed]))
         summary["mfu"] = float(np.median([h["mfu"] for h in timed]))
     if is_main:
-        metrics_lib.plot_curves(logdir / "metrics.jsonl", logdir / "curves.png", title=f"{kind}: {workdir.name}")
+        metrics_lib.plot_curves(logdir / "metrics.jsonl", logdir / "curves.png", title=stage_title(config, workdir, step))
         summary["plot"] = str(workdir / "curves.png")
         (logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         sync_logs()
@@ -782,20 +770,7 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
 def main(argv):
     from absl import flags
     del argv
-    FLAGS = flags.FLAGS
-    try:
-        errors.cli_main(log, lambda: run(FLAGS.config, FLAGS.workdir))
-    except Preempted:
-        sys.exit(143)  # 128 + SIGTERM: schedulers see an interrupted run, not a finished one
-
-
-def _parse_flags(argv):
-    """absl flag parsing with one-line errors (an unknown config field names itself and its neighbours)."""
-    from absl import flags
-    try:
-        return flags.FLAGS(argv)
-    except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError/flags.Error
-        errors.exit_with_error(config_error_for_flags(argv, e))
+    run(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
 def define_flags():
@@ -808,8 +783,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-    from sweet_jax.host_malloc import reexec_with_allocator
-    reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    from absl import app
-    define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    cli.run(main, define_flags=define_flags, help_configs=("configs/critic.py:demo", "configs/policy.py:demo"))

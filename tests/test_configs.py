@@ -7,7 +7,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import config_utils, train
+from sweet_jax import cli, config_utils, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,9 +76,9 @@ def test_both_configs_share_one_field_layout():
 
 def test_an_unknown_field_is_named_with_a_suggestion():
     argv = ["prog", "--config=configs/critic.py:demo", "--config.train.num_step=3"]
-    msg = train.config_error_for_flags(argv, AttributeError("x"))
+    msg = cli.config_flag_error(argv, AttributeError("x"))
     assert msg == "unknown config field 'train.num_step' in '--config.train.num_step=3' (did you mean train.num_steps?)"
-    msg = train.config_error_for_flags(["--config.optimizer.lr=1"], AttributeError("x"))
+    msg = cli.config_flag_error(["--config", "configs/policy.py:demo", "--config.optimizer.lr=1"], AttributeError("x"))
     assert "unknown config field 'optimizer.lr'" in msg and "optim" in msg
 
 

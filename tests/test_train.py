@@ -104,7 +104,7 @@ def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
     if ctypes.util.find_library("tcmalloc_minimal"):
         assert "host allocator: tcmalloc (SWEET_JAX_MALLOC=system to turn off)" in log
     else:
-        assert "host allocator: system" in log and "apt-get install libtcmalloc-minimal4" in log
+        assert "host allocator: system" in log  # the automatic choice falls back without a warning
 
 
 def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):

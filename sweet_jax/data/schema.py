@@ -18,22 +18,16 @@ import json
 import logging
 import math
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from sweet_jax.errors import SweetJaxError
+from sweet_jax import jsonl
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 
 
-class DataError(SweetJaxError):
-    """A record is malformed; the message names file:line and field."""
-
-    def __init__(self, message: str, *, where: str = "", field: str = ""):
-        self.where, self.field, self.reason = where, field, message
-        parts = [p for p in (where, f"field '{field}'" if field else "") if p]
-        super().__init__((": ".join(parts) + ": " if parts else "") + message)
+DataError = jsonl.DataError  # a malformed record; the message names file:line and field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,24 +206,13 @@ class Loaded(list):
         self.skipped = list(skipped)
 
 
-def _open_lines(path) -> Iterator[tuple[int, str]]:
-    from etils import epath
-
-    p = epath.Path(os.fspath(path))
-    if not p.exists():
-        raise DataError(f"file not found: {path}")
-    with p.open("r") as f:
-        for lineno, line in enumerate(f, start=1):
-            yield lineno, line
-
-
 def _load(path, parse: Callable[[Any, str], Any], *, skip_bad: bool, what: str) -> Loaded:
     path_str = os.fspath(path)
     if path_str.startswith("tfds://"):
         from sweet_jax.data import tfds_colbench
         lines = tfds_colbench.read_json_lines(path_str)
     else:
-        lines = ((f"{path_str}:{n}", line) for n, line in _open_lines(path_str))
+        lines = jsonl.lines(path_str)
     items, skipped = [], []
     for where, line in lines:
         if not line.strip():
@@ -239,7 +222,7 @@ def _load(path, parse: Callable[[Any, str], Any], *, skip_bad: bool, what: str) 
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"malformed JSON ({e.msg} at column {e.colno})", where=where) from None
-            items.append(parse(obj, where))
+            items.append(parse(obj, where))  # the record types name a non-object line themselves
         except DataError as e:
             if not skip_bad:
                 raise
@@ -265,19 +248,5 @@ def load_trajectories(path, *, skip_bad: bool = False) -> Loaded:
 
 
 def write_jsonl(path, records) -> None:
-    """Records (objects with .to_json() or dicts), one JSON object a line, written atomically: to a temporary
-    file beside `path`, then renamed over it, so a reader (or a crash) never sees half a file."""
-    from etils import epath
-
-    p = epath.Path(os.fspath(path))
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".{p.name}.tmp{os.getpid()}"
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r.to_json() if hasattr(r, "to_json") else r, ensure_ascii=False) + "\n")
-        tmp.replace(p)  # os.replace locally; a rename on object stores
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
+    """Records (objects with .to_json() or dicts), one JSON object a line, written atomically (jsonl.write)."""
+    jsonl.write(path, records)

@@ -99,6 +99,15 @@ def check_chat_template(tokenizer, *, where: str = "tokenizer"):
             "or set tokenizer.chat_template")
 
 
+def check_vocab(vocab_size: int, tokenizer, *, model: str = "the model", where: str = "the tokenizer") -> None:
+    """A model whose vocabulary is smaller than its tokenizer's would look up rows that do not exist (XLA clamps
+    the index: wrong numbers, no error): refuse the pair, naming both sizes."""
+    if int(vocab_size) < len(tokenizer):
+        raise TokenizerError(f"{model} has a vocabulary of {int(vocab_size)} tokens but {where} has {len(tokenizer)}: "
+                             "they do not belong together; use the model's own tokenizer (or a model trained with "
+                             "this one)")
+
+
 def end_of_turn_ids(tokenizer) -> frozenset[int]:
     """Token ids that close an assistant turn (eos and, for Llama 3, <|eot_id|>)."""
     ids = set()

@@ -1,0 +1,374 @@
+"""The one command-line harness of every entry point, and the `sweet-jax COMMAND` console script.
+
+Every `python -m sweet_jax.NAME` ends in `cli.run(main, ...)`, which
+  - re-executes once with the host allocator (host_malloc) where the command computes,
+  - keeps a CPU host quiet: no TPU-probe, libtpu, TensorFlow or transformers advisory lines,
+  - finds `--config configs/NAME.py:PRESET` from any working directory and after any install (the presets ship
+    inside the package as sweet_jax.configs; a path that exists where the command runs wins),
+  - answers `--help` with what a user sets: the command's flags, the config's presets and its fields,
+  - logs through one handler that writes above a progress bar, not through it (tqdm.write),
+  - turns every user mistake into one line `error: ...` and exit status 2, never a traceback
+    (SWEET_JAX_DEBUG=1 shows the traceback); Ctrl-C is one line and exit status 130.
+
+Commands that take a config (absl flags + ml_collections) pass `define_flags`; the others parse their own
+argv with `cli.ArgumentParser` (argparse whose errors are one line, exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import importlib.util
+import logging
+import os
+import pathlib
+import sys
+import textwrap
+from typing import Any, Callable, Sequence
+
+from sweet_jax.errors import SweetJaxError, exit_with_error
+
+COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
+            "pipeline_diagnostics")
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+DEBUG_VAR = "SWEET_JAX_DEBUG"
+
+
+class RunInterrupted(Exception):
+    """A run stopped on a signal after saving what it had (exit status 128 + the signal's number)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ==========================================================================================================
+# Before anything heavy is imported
+# ==========================================================================================================
+
+def quiet_environment(environ=os.environ) -> None:
+    """Environment variables that silence advisory output of the libraries below us (each one only if the user
+    has not set it): transformers' "PyTorch was not found", TensorFlow's C++ info lines (tfds imports it)."""
+    environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+def configs_dir() -> pathlib.Path | None:
+    """Where the bundled presets live: the installed sweet_jax.configs package, else the source checkout's
+    configs/ next to sweet_jax/ (running from a clone without installing it)."""
+    try:
+        spec = importlib.util.find_spec("sweet_jax.configs")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return pathlib.Path(list(spec.submodule_search_locations)[0])
+    checkout = PACKAGE_DIR.parent / "configs"
+    return checkout if checkout.is_dir() else None
+
+
+def resolve_config(value: str, cwd: pathlib.Path | None = None) -> str:
+    """`configs/critic.py:demo` -> a path that exists: as given when it exists (relative to `cwd`), else the
+    bundled file of that name. Anything else is returned unchanged (and reported by the flag parser)."""
+    file, sep, preset = value.partition(":")
+    given = pathlib.Path(file)
+    if (given if given.is_absolute() else (cwd or pathlib.Path.cwd()) / given).exists():
+        return value
+    bundled = configs_dir()
+    if bundled is not None and given.parent.name in ("configs", "") and (bundled / given.name).is_file():
+        return f"{bundled / given.name}{sep}{preset}"
+    return value
+
+
+def resolve_config_args(argv: Sequence[str]) -> list[str]:
+    """argv with the value of --config (either `--config=V` or `--config V`) resolved by resolve_config."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config(arg[len("--config="):])
+        elif arg == "--config" and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+    return out
+
+
+# ==========================================================================================================
+# Logging: one handler, above the progress bars
+# ==========================================================================================================
+
+class _BarSafeHandler(logging.Handler):
+    """Writes each record with tqdm.write: a live progress bar is cleared, the line printed, the bar redrawn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """sweet_jax's loggers at `level`, every other library's at WARNING (Orbax logs each file operation at INFO,
+    jax each backend it probes), all through one bar-safe handler with a short prefix."""
+    handler = _BarSafeHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("sweet_jax").setLevel(level)
+    logging.getLogger("__main__").setLevel(level)  # a command's own `logging.getLogger(__name__)`
+    for name in ("absl", "jax._src.xla_bridge", "jax._src.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:  # absl's own handler would print every record a second time
+        from absl import logging as absl_logging
+        absl_logging.get_absl_handler().setLevel(logging.CRITICAL + 1)
+    except ImportError:
+        pass
+
+
+# ==========================================================================================================
+# Errors
+# ==========================================================================================================
+
+def guarded(body: Callable[[], Any]) -> Any:
+    """Run a command's body: a user mistake -> one line on stderr and exit 2; Ctrl-C -> one line and exit 130;
+    a run stopped by a signal -> its exit status. Other exceptions (bugs) keep their traceback."""
+    try:
+        return body()
+    except SweetJaxError as e:
+        _debug_traceback()
+        exit_with_error(str(e))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        _debug_traceback()
+        what = {FileNotFoundError: "does not exist", IsADirectoryError: "is a directory, not a file",
+                NotADirectoryError: "is not a directory", PermissionError: "is not readable (permission denied)"}
+        exit_with_error(f"{e.filename}: {what[type(e)]}" if e.filename else str(e))
+    except RunInterrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        _debug_traceback()
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
+
+
+def _debug_traceback() -> None:
+    if os.environ.get(DEBUG_VAR):
+        import traceback
+        traceback.print_exc()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2."""
+
+    def error(self, message: str):
+        exit_with_error(f"{message} (see {self.prog} --help)")
+
+
+# ==========================================================================================================
+# --help for the config commands
+# ==========================================================================================================
+
+def _load_config_module(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(f"_sweet_jax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def config_fields_text(config, width: int = 110) -> str:
+    """Every field of a config as `section: field=value ...` lines, wrapped."""
+    import ml_collections
+
+    lines = []
+
+    def walk(node, prefix):
+        leaves = []
+        for key in sorted(node.keys()):
+            value = node[key]
+            if isinstance(value, ml_collections.ConfigDict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                leaves.append(f"{key}={value!r}")
+        if leaves:
+            lines.append(textwrap.fill(" ".join(leaves), width, initial_indent=f"  {prefix.rstrip('.') or '(top)'}: ",
+                                       subsequent_indent="      "))
+    walk(config, "")
+    return "\n".join(lines)
+
+
+def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
+    """The presets (the config file's docstring) and the fields of the chosen (or default) preset."""
+    out = []
+    files = [config_arg] if config_arg else list(default_files)
+    for value in files:
+        file, _, preset = resolve_config(value).partition(":")
+        path = pathlib.Path(file)
+        if not path.is_file():
+            out.append(f"config {value}: no such file")
+            continue
+        module = _load_config_module(path)
+        shown = value.partition(":")[0]
+        out.append(f"--config {shown}:PRESET\n" + textwrap.indent((module.__doc__ or "").strip(), "  "))
+        try:
+            config = module.get_config(preset) if preset else module.get_config()
+        except Exception as e:  # noqa: BLE001 - an unknown preset: say so, still print the rest
+            out.append(f"  ({e})")
+            continue
+        out.append(f"fields of {shown}:{preset or '(default)'} (set any with --config.SECTION.FIELD=VALUE):\n"
+                   + config_fields_text(config))
+    return "\n\n".join(out)
+
+
+def _flag_lines(names: Sequence[str]) -> str:
+    from absl import flags
+    lines = []
+    for name in names:
+        flag = flags.FLAGS[name]
+        default = "" if flag.default is None else f" (default {flag.default!r})"
+        lines.append(f"  --{name}: {flag.help}{default}")
+    return "\n".join(lines)
+
+
+def _module_doc(module_name: str) -> str:
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return ""
+    return ast.get_docstring(ast.parse(pathlib.Path(spec.origin).read_text())) or ""
+
+
+# ==========================================================================================================
+# Flag errors of the config commands
+# ==========================================================================================================
+
+def config_flag_error(argv: Sequence[str], error: Exception) -> str:
+    """One line for a failed flag parse: an unknown --config.FIELD names itself and the closest field."""
+    import ml_collections
+
+    config_value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            config_value = arg[len("--config="):]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_value = argv[i + 1]
+    base = None
+    if config_value:
+        file, _, preset = resolve_config(config_value).partition(":")
+        if not pathlib.Path(file).is_file():
+            return (f"--config {config_value}: {file} does not exist; bundled configs: "
+                    f"{', '.join(sorted(p.name for p in (configs_dir() or pathlib.Path('.')).glob('*.py')))} "
+                    "(as configs/critic.py:demo)")
+        try:
+            module = _load_config_module(pathlib.Path(file))
+            base = module.get_config(preset) if preset else module.get_config()
+        except Exception as e:  # noqa: BLE001 - the preset itself is wrong
+            return f"--config {config_value}: {e}"
+    for arg in argv:
+        if base is None or not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        node: Any = base
+        walked: list[str] = []
+        for part in path.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                options = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                near = difflib.get_close_matches(part, options, n=1)
+                hint = f" (did you mean {'.'.join(walked + [near[0]])}?)" if near else \
+                    (f"; fields of {'.'.join(walked) or 'config'}: {', '.join(options)}" if options else "")
+                return f"unknown config field {path!r} in {arg!r}{hint}"
+            node = node[part]
+            walked.append(part)
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"bad flags: {lines[-1] if lines else type(error).__name__} (see --help)"
+
+
+# ==========================================================================================================
+# The entry point
+# ==========================================================================================================
+
+def run(main: Callable, *, define_flags: Callable[[], None] | None = None, allocator: bool = True,
+        help_configs: Sequence[str] = ()) -> None:
+    """The `if __name__ == "__main__":` of every command.
+
+    main: `main(argv)` (argv without the program name). With define_flags (absl flags), argv holds the
+    positional arguments left after the flags; without, main parses argv itself (cli.ArgumentParser).
+    allocator: re-execute with the host allocator first (commands that compute; not the report tools).
+    help_configs: config files whose presets --help lists when no --config is given."""
+    quiet_environment()
+    if allocator:
+        from sweet_jax import host_malloc
+        host_malloc.reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
+    module_name = _calling_module()
+    if define_flags is None:
+        setup_logging()
+        code = guarded(lambda: main(sys.argv[1:]))
+        sys.exit(code if isinstance(code, int) else 0)
+
+    from absl import app, flags
+    argv = [sys.argv[0]] + resolve_config_args(sys.argv[1:])
+    sys.argv = argv  # config_flags reads the --config.FIELD overrides from sys.argv
+    before = set(flags.FLAGS)
+    define_flags()
+    own = [name for name in flags.FLAGS if name not in before]
+    if any(a in ("-h", "--help", "--helpshort", "-help") for a in argv[1:]):
+        config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+        if config_arg is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+            config_arg = argv[argv.index("--config") + 1]
+        if config_arg is None and "config" in own and flags.FLAGS["config"].default_as_str:
+            default = flags.FLAGS["config"].default_as_str.strip("'\"")
+            help_configs = help_configs or (default,)
+        print(_module_doc(module_name).strip() + "\n\nflags:\n" + _flag_lines(own) + "\n\n"
+              + config_help(config_arg, help_configs))
+        sys.exit(0)
+
+    def parse(args):
+        try:
+            rest = flags.FLAGS(args)
+            if "config" in own:
+                getattr(flags.FLAGS.config, "lock")  # a file that failed to load raises on first use: here
+            return rest
+        except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError/KeyError/ValueError/flags.Error
+            exit_with_error(config_flag_error(args, e))
+
+    def absl_main(rest):
+        setup_logging()
+        code = guarded(lambda: main(rest[1:]))
+        sys.exit(code if isinstance(code, int) else 0)
+
+    app.run(absl_main, flags_parser=parse)
+
+
+def _calling_module() -> str:
+    """The module name of the command that called run(): `python -m sweet_jax.train` runs it as __main__."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None else "sweet_jax"
+
+
+# ==========================================================================================================
+# sweet-jax COMMAND ...
+# ==========================================================================================================
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`sweet-jax COMMAND [FLAGS]`: the same as `python -m sweet_jax.COMMAND [FLAGS]`."""
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        lines = ["usage: sweet-jax COMMAND [FLAGS]   (the same as python -m sweet_jax.COMMAND; COMMAND --help "
+                 "lists its flags)", "", "commands:"]
+        for name in COMMANDS:
+            first = _module_doc(f"sweet_jax.{name}").strip().splitlines()
+            lines.append(f"  {name:<22}{first[0] if first else ''}")
+        print("\n".join(lines))
+        sys.exit(0 if argv else 2)
+    command = argv[0].replace("-", "_")
+    if command not in COMMANDS:
+        near = difflib.get_close_matches(command, COMMANDS, n=1)
+        exit_with_error(f"unknown command {argv[0]!r}{f' (did you mean {near[0]}?)' if near else ''}; "
+                        f"commands: {', '.join(COMMANDS)}")
+    sys.argv = [f"sweet-jax {command}"] + argv[1:]
+    runpy.run_module(f"sweet_jax.{command}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The command lines as a newcomer meets them: each mistake is one line `error: ...` and exit status 2, never a
+traceback; presets are found from any working directory; --help lists presets and fields."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sweet_jax import cli, jsonl
+from sweet_jax.data import demo
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def command(*args, cwd, timeout=300, **env_extra) -> subprocess.CompletedProcess:
+    """`python -m sweet_jax.NAME ...` from `cwd` (this checkout's package first on the path)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **env_extra}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, exactly one line on stderr, `error: ...` holding every needle; returns that line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]  # progress bars
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_a_preset_is_found_from_any_working_directory(tmp_path):
+    resolved = cli.resolve_config("configs/critic.py:demo", cwd=tmp_path)
+    file, _, preset = resolved.partition(":")
+    assert preset == "demo" and pathlib.Path(file).is_file() and pathlib.Path(file).name == "critic.py"
+    here = tmp_path / "configs"
+    here.mkdir()
+    (here / "critic.py").write_text("")
+    assert cli.resolve_config("configs/critic.py:demo", cwd=tmp_path) == "configs/critic.py:demo"  # the user's wins
+    assert cli.resolve_config("elsewhere/nope.py:x", cwd=tmp_path) == "elsewhere/nope.py:x"
+    # The command line loads it from another directory: the config's own check is the error here (epochs 0),
+    # which only a loaded config can give.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = command("sweet_jax.train", "--config", "configs/critic.py:demo", f"--workdir={tmp_path / 'run'}",
+                   "--config.train.num_steps=0", "--config.train.epochs=0", cwd=elsewhere)
+    assert_one_line_error(proc, "config.train.epochs=0")
+
+
+def test_a_bad_preset_and_an_unknown_field_are_one_line(tmp_path):
+    proc = command("sweet_jax.train", "--config", "configs/critic.py:dem", f"--workdir={tmp_path}", cwd=tmp_path)
+    assert_one_line_error(proc, "unknown critic preset 'dem'", "demo")
+    proc = command("sweet_jax.train", "--config=configs/critic.py:demo", f"--workdir={tmp_path}",
+                   "--config.train.num_step=3", cwd=tmp_path)
+    assert_one_line_error(proc, "did you mean train.num_steps?")
+    proc = command("sweet_jax.train", "--config=configs/nope.py:demo", f"--workdir={tmp_path}", cwd=tmp_path)
+    assert_one_line_error(proc, "configs/nope.py does not exist", "critic.py")
+
+
+def test_help_lists_the_flags_presets_and_fields(tmp_path):
+    proc = command("sweet_jax.train", "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for needle in ("--workdir", "--config configs/critic.py:PRESET", "demo_no_info", "configs/policy.py:PRESET",
+                   "optim: ", "lr=0.003", "model: ", "path=''", "--config.SECTION.FIELD=VALUE"):
+        assert needle in proc.stdout, needle
+    assert "--helpfull" not in proc.stdout and "absl" not in proc.stdout
+    proc = command("sweet_jax.cli", "--help", cwd=tmp_path)  # `sweet-jax --help`
+    assert proc.returncode == 0 and all(name in proc.stdout for name in cli.COMMANDS), proc.stdout
+    proc = command("sweet_jax.cli", "trian", cwd=tmp_path)
+    assert_one_line_error(proc, "unknown command 'trian'", "did you mean train?")
+    proc = command("sweet_jax.cli", "rank", "--help", cwd=tmp_path)  # `sweet-jax rank --help`
+    assert proc.returncode == 0 and "configs/rank.py:PRESET" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_serve_a_missing_model_directory(tmp_path):
+    assert_one_line_error(command("sweet_jax.serve", "--model", "/nope", "--port", "0", cwd=tmp_path), "/nope")
+
+
+def test_serve_an_unknown_flag(tmp_path):
+    assert_one_line_error(command("sweet_jax.serve", "--model", "m", "--prot", "1", cwd=tmp_path), "--prot")
+
+
+def test_evaluate_a_missing_file_and_a_bad_row(tmp_path):
+    proc = command("sweet_jax.evaluate", "nope.jsonl", "--out", "o.jsonl", cwd=tmp_path)
+    assert_one_line_error(proc, "nope.jsonl", "file not found")
+    rows = demo.paths().trajectories.read_text().splitlines()[:3]
+    bad = json.loads(rows[1])
+    del bad["dialogue_history"]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([rows[0], json.dumps(bad), rows[2]]) + "\n")
+    proc = command("sweet_jax.evaluate", str(path), "--out", "o.jsonl", cwd=tmp_path)
+    assert_one_line_error(proc, f"{path}:2", "dialogue_history")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("kind", ["binary", "gzip", "directory"])
+def test_a_jsonl_path_that_is_not_jsonl_text_is_named(tmp_path, kind):
+    path = tmp_path / "data.jsonl"
+    expected = {"binary": "binary file", "gzip": "gzip file", "directory": "is a directory"}[kind]
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "gzip":
+        path.write_bytes(gzip.compress(demo.paths().trajectories.read_bytes()[:2000]))
+    else:
+        path.mkdir()
+    with pytest.raises(jsonl.DataError, match=expected):
+        jsonl.read(path)
+    proc = command("sweet_jax.evaluate", str(path), "--out", "o.jsonl", cwd=tmp_path)
+    assert_one_line_error(proc, str(path), expected)
+
+
+def test_jsonl_read_is_strict_and_the_append_only_read_drops_a_cut_last_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\n\n[1, 2]\n')
+    with pytest.raises(jsonl.DataError, match=f"{path}:3: expected a JSON object, got list"):
+        jsonl.read(path)
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": ')
+    with pytest.raises(jsonl.DataError, match=f"{path}:3: malformed JSON"):
+        jsonl.read(path)
+    assert jsonl.read(path, partial="drop") == [{"a": 1}, {"a": 2}]
+    assert path.read_text().endswith('{"a": ')
+    jsonl.read(path, partial="repair")
+    jsonl.append(path, [{"a": 3}])
+    assert jsonl.read(path) == [{"a": 1}, {"a": 2}, {"a": 3}]
+    jsonl.write(tmp_path / "sub" / "y.jsonl", [{"b": "é"}])
+    assert jsonl.read(tmp_path / "sub" / "y.jsonl") == [{"b": "é"}]
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["y.jsonl"]  # no temporary file left
+
+
+def test_pipeline_diagnostics_on_a_missing_or_foreign_directory(tmp_path):
+    assert_one_line_error(command("sweet_jax.pipeline_diagnostics", str(tmp_path / "nope"), cwd=tmp_path),
+                          "nope is not a directory")
+    assert_one_line_error(command("sweet_jax.pipeline_diagnostics", str(tmp_path), cwd=tmp_path),
+                          "holds no pipeline stage")
+
+
+def test_pipeline_report_on_a_directory_without_results(tmp_path):
+    assert_one_line_error(command("sweet_jax.pipeline_report", str(tmp_path), "--out", "r", cwd=tmp_path),
+                          "results.json does not exist")
+
+
+def test_a_model_whose_vocabulary_is_smaller_than_its_tokenizer_is_refused_at_load(tmp_path):
+    from tiny import make_hf_llama
+
+    tokenizer_files = demo.paths().tokenizer
+    model_dir = make_hf_llama(tmp_path / "model", "llama32", vocab_size=64)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, model_dir / f.name)
+    import transformers
+    size = len(transformers.AutoTokenizer.from_pretrained(str(tokenizer_files)))
+    assert size > 64
+    proc = command("sweet_jax.serve", "--model", str(model_dir), "--port", "0", cwd=tmp_path)
+    assert_one_line_error(proc, "vocabulary of 64 tokens", f"has {size}")
