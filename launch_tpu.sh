@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch a sweet_jax training run on a Cloud TPU VM (single host or pod slice) via queued resources:
 #   create (queued resource) -> wait until ACTIVE -> install the package on every worker ->
-#   run the train command on all workers -> copy logs back -> delete.
+#   start the train command on all workers, detached (it survives the ssh session) -> wait for it ->
+#   copy the logs back (also when the run fails or this script is interrupted) -> delete.
 #
 # Usage:
 #   bash launch_tpu.sh [options] -- python -m sweet_jax.train --config configs/critic.py:llama3_8b \
@@ -21,7 +22,8 @@
 #   -h | --help
 set -euo pipefail
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
+# The comment block at the top of this file, without the '# ' (and nothing after it).
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 
 PROJECT="${PROJECT:-${CLOUDSDK_CORE_PROJECT:-}}"
 ZONE="${ZONE:-}"
@@ -79,6 +81,8 @@ GCLOUD=(gcloud --project="$PROJECT")
 TPU_FLAGS=(--zone="$ZONE")
 LOG_DIR="logs/$TPU_NAME"
 REMOTE_LOG="/tmp/sweet_jax_train.log"
+REMOTE_RC="/tmp/sweet_jax_train.rc"   # the train command's exit status, written when it ends
+STARTED=0
 
 # Print a command (shell-quoted); run it unless --dry-run.
 run() {
@@ -90,7 +94,18 @@ ssh_all() {
   run "${GCLOUD[@]}" compute tpus tpu-vm ssh "$TPU_NAME" "${TPU_FLAGS[@]}" --worker=all --command="$1"
 }
 
+# Every worker's log to the bucket, and worker 0's here.
+copy_logs() {
+  ssh_all "gsutil cp $REMOTE_LOG $BUCKET/$LOG_DIR/worker-\$(hostname).log" || true
+  run mkdir -p "$LOG_DIR"
+  run "${GCLOUD[@]}" compute tpus tpu-vm scp "$TPU_NAME:$REMOTE_LOG" "$LOG_DIR/worker0.log" "${TPU_FLAGS[@]}" \
+    --worker=0 || true
+  echo "logs: $LOG_DIR/ and $BUCKET/$LOG_DIR/"
+}
+
+# On every way out (the run's end, its failure, Ctrl-C here): the logs first, then the VM.
 cleanup() {
+  if [[ "$STARTED" -eq 1 ]]; then copy_logs; fi
   if [[ "$KEEP" -eq 1 ]]; then
     echo "--keep: leaving $TPU_NAME running; delete it with:" >&2
     echo "  gcloud --project=$PROJECT compute tpus queued-resources delete $TPU_NAME --zone=$ZONE --force --quiet" >&2
@@ -122,23 +137,36 @@ else
   done
 fi
 
-# 3. Install the package on every worker.
+# 3. Install the package on every worker (the checkout without runs, logs, virtualenvs and caches).
 if [[ -z "$SWEET_JAX_REPO" || -d "$SWEET_JAX_REPO" ]]; then
   SRC="${SWEET_JAX_REPO:-$(cd "$(dirname "$0")" && pwd)}"
-  run tar -C "$SRC" --exclude=.git --exclude='*.egg-info' -czf /tmp/sweet_jax_src.tgz .
+  run tar -C "$SRC" --exclude=.git --exclude='*.egg-info' --exclude=./runs --exclude=./logs --exclude='.venv' \
+    --exclude='venv' --exclude='.ci-venv' --exclude='.ci-demo' --exclude='__pycache__' --exclude='.pytest_cache' \
+    -czf /tmp/sweet_jax_src.tgz .
   run "${GCLOUD[@]}" compute tpus tpu-vm scp /tmp/sweet_jax_src.tgz "$TPU_NAME":/tmp/sweet_jax_src.tgz "${TPU_FLAGS[@]}" --worker=all
   ssh_all "mkdir -p ~/sweet_jax && tar -C ~/sweet_jax -xzf /tmp/sweet_jax_src.tgz && cd ~/sweet_jax && python3 -m pip install -q -e '.[tpu]'"
 else
   ssh_all "git clone -q $SWEET_JAX_REPO ~/sweet_jax && cd ~/sweet_jax && python3 -m pip install -q -e '.[tpu]'"
 fi
 
-# 4. Run the train command on all workers at once (jax.distributed finds its peers on TPU VMs).
+# 4. Start the train command on all workers at once (jax.distributed finds its peers on TPU VMs), detached
+# with setsid + nohup: a dropped ssh connection does not end the run. Its exit status goes to REMOTE_RC.
 printf -v TRAIN_STR ' %q' "${TRAIN_CMD[@]}"
-ssh_all "cd ~/sweet_jax && set -o pipefail && ${TRAIN_STR# } 2>&1 | tee $REMOTE_LOG"
+printf -v DETACHED '%q' "cd ~/sweet_jax && ${TRAIN_STR# } > $REMOTE_LOG 2>&1; echo \$? > $REMOTE_RC"
+STARTED=1
+ssh_all "rm -f $REMOTE_RC $REMOTE_LOG && setsid nohup bash -c $DETACHED > /dev/null 2>&1 < /dev/null &"
 
-# 5. Copy the logs back: every worker's log to the bucket, and worker 0's here.
-ssh_all "gsutil cp $REMOTE_LOG $BUCKET/$LOG_DIR/worker-\$(hostname).log"
-run mkdir -p "$LOG_DIR"
-run "${GCLOUD[@]}" compute tpus tpu-vm scp "$TPU_NAME:$REMOTE_LOG" "$LOG_DIR/worker0.log" "${TPU_FLAGS[@]}" --worker=0
-echo "logs: $LOG_DIR/ and $BUCKET/$LOG_DIR/"
-# 6. Delete (the EXIT trap), unless --keep.
+# 5. Wait until every worker's run has ended; the exit status of worker 0's is this script's.
+WAIT=("${GCLOUD[@]}" compute tpus tpu-vm ssh "$TPU_NAME" "${TPU_FLAGS[@]}" --worker=all --command="test -f $REMOTE_RC")
+RC=("${GCLOUD[@]}" compute tpus tpu-vm ssh "$TPU_NAME" "${TPU_FLAGS[@]}" --worker=0 --command="cat $REMOTE_RC")
+if [[ "$DRY_RUN" -eq 1 ]]; then
+  run "${WAIT[@]}"
+  run "${RC[@]}"
+  status=0
+else
+  until "${WAIT[@]}" > /dev/null 2>&1; do sleep "$POLL_SECONDS"; done
+  status="$("${RC[@]}" 2> /dev/null || echo 1)"
+fi
+echo "train command ended with exit status $status"
+# 6. Logs and deletion: the EXIT trap (cleanup), unless --keep. The script's exit status is the run's.
+[[ "$status" == 0 ]] || exit "$status"

@@ -11,50 +11,22 @@ from __future__ import annotations
 import logging
 import pathlib
 
-from sweet_jax import cli
-from sweet_jax.errors import SweetJaxError
+from sweet_jax import cli, rundir
 
 log = logging.getLogger("sweet_jax.export")
 
 
-class ExportError(SweetJaxError):
-    """The run directory cannot be exported (no run there, no checkpoint, ...)."""
-
-
-def restore_model(workdir, step: int | None = None):
-    """(the trained model as an nnx Llama, its step, the run's config) from a training run directory."""
-    import jax
-    from flax import nnx
-    from sweet_jax import checkpoint, sharding, train
-    from sweet_jax.data.tokenizers import load_tokenizer
-    from sweet_jax.models import Llama
-
-    workdir = pathlib.Path(workdir)
-    config = train.read_config(workdir)
-    tokenizer = load_tokenizer(train.tokenizer_path(config))
-    llama_config = train.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
-    mesh = sharding.make_mesh((1, -1, 1))
-    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    shardings = sharding.param_shardings(params, mesh)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    ckpt = checkpoint.Checkpointer(workdir / train.CHECKPOINT_DIR, keep=0, async_save=False)
-    restored = ckpt.restore({"params": target}, step=step)
-    if restored is None:
-        raise ExportError(f"{workdir / train.CHECKPOINT_DIR} holds no checkpoint: train first "
-                          f"(python -m sweet_jax.train --workdir {workdir} ...)")
-    got_step, items, _ = restored
-    ckpt.close()
-    return nnx.merge(graphdef, items["params"], rest), got_step, config
+# A run directory that cannot be exported (no run there, no checkpoint, ...).
+ExportError = rundir.RunDirError
+restore_model = rundir.restore_model
 
 
 def export(workdir, out, *, step: int | None = None, dtype: str | None = None,
            max_shard_size: str = "5GB") -> pathlib.Path:
-    from sweet_jax import train
     from sweet_jax.models import save_hf
 
-    model, got_step, config = restore_model(workdir, step)
-    path = save_hf(model, out, tokenizer_dir=train.tokenizer_path(config), dtype=dtype,
+    model, got_step, config = rundir.restore_model(workdir, step)
+    path = save_hf(model, out, tokenizer_dir=rundir.tokenizer_path(config), dtype=dtype,
                    max_shard_size=max_shard_size)
     log.info("exported step %d of %s to %s", got_step, workdir, path)
     return path

@@ -233,7 +233,9 @@ def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
     """train.run into d/train, then the trained parameters as an HF checkpoint in d/hf."""
     from sweet_jax import train
 
-    summary = train.run(tconfig, d / "train")
+    # A rerun of the pipeline with other values goes on with them (run_pipeline says so); the training run
+    # records the change.
+    summary = train.run(tconfig, d / "train", accept_config_change=True)
     export_trained(d / "train", d / "hf")
     return {"hf": str(d / "hf"), "steps": summary["steps"], "train_examples": summary["train_examples"],
             "eval_examples": summary["eval_examples"], "eval": summary.get("eval", {}),
@@ -386,12 +388,12 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
     """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so on
     one device the run keeps one Sampler and swaps its parameters: its compiled prefill/decode programs
     (one per shape) are reused by every rollout instead of being compiled again for each policy."""
+    from sweet_jax import rundir
     from sweet_jax.models import load_hf
-    from sweet_jax.rollout import load_model_sampler, make_mesh
 
     c = run.config
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
-    mesh = make_mesh(tuple(c.train.sampler_mesh_shape))
+    mesh = rundir.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
     if run.sampler is not None:
         from sweet_jax.generate import GenerateError
         try:
@@ -399,8 +401,8 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
             return run.sampler
         except GenerateError:  # another architecture: a new Sampler (and new compilations)
             pass
-    run.sampler = load_model_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
-                                     max_batch_size=c.train.max_batch_size)
+    run.sampler = rundir.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
+                                      max_batch_size=c.train.max_batch_size)
     return run.sampler
 
 

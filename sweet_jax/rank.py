@@ -65,6 +65,10 @@ class Candidates:
     texts: list[str]
     sampler_logp: np.ndarray     # [N] the sampler's mean log-prob over each candidate's tokens (no c)
     prompt_text: str
+    # The token ids the sampler read and wrote (its stop token included): the pairs carry them to the DPO
+    # step, which trains on them instead of tokenising the texts again. None: texts only (e.g. read back).
+    prompt_ids: list[int] | None = None
+    token_ids: list[list[int]] | None = None
 
 
 def turn_prompts(trajectories: Sequence[Any]) -> list[TurnPrompt]:
@@ -107,10 +111,11 @@ def sample_candidates(sampler, prompts: Sequence[TurnPrompt], *, n: int, max_new
     samples = sampler.generate([ids for ids, _ in encoded], max_new_tokens=max_new_tokens, temperature=temperature,
                                n=n, seed=seed)
     out = []
-    for (_, text), per_prompt in zip(encoded, samples):
+    for (ids, text), per_prompt in zip(encoded, samples):
         out.append(Candidates([s.text for s in per_prompt],
                               np.array([np.mean(s.logprobs) if len(s.logprobs) else 0.0 for s in per_prompt]),
-                              text))
+                              text, prompt_ids=[int(i) for i in ids],
+                              token_ids=[[int(i) for i in s.token_ids] for s in per_prompt]))
     return out
 
 
@@ -238,12 +243,19 @@ def turn_pairs(prompt: TurnPrompt, candidates: Candidates, scores: np.ndarray, *
     keep = [i for i, s in enumerate(scores) if np.isfinite(s)]  # unscorable candidates take no part
     picked = policy_pairs([[candidates.texts[i] for i in keep]], [[float(scores[i]) for i in keep]],
                           num_pairs=num_pairs, seed=_turn_seed(seed, prompt.key), pairing=pairing)
-    return [{
-        "trajectory_index": prompt.trajectory_index, "turn": prompt.turn, "task_key": prompt.task_key,
-        "prompt": [dict(m) for m in prompt.messages], "prompt_text": candidates.prompt_text,
-        "chosen": pair.chosen, "rejected": pair.rejected,
-        "chosen_score": pair.chosen_score, "rejected_score": pair.rejected_score,
-        "rank_reference": rank_reference} for pair in picked]
+    records = []
+    for pair in picked:
+        record = {
+            "trajectory_index": prompt.trajectory_index, "turn": prompt.turn, "task_key": prompt.task_key,
+            "prompt": [dict(m) for m in prompt.messages], "prompt_text": candidates.prompt_text,
+            "chosen": pair.chosen, "rejected": pair.rejected,
+            "chosen_score": pair.chosen_score, "rejected_score": pair.rejected_score,
+            "rank_reference": rank_reference}
+        if candidates.token_ids is not None and candidates.prompt_ids is not None:
+            record.update(prompt_ids=candidates.prompt_ids, chosen_ids=candidates.token_ids[keep[pair.chosen_index]],
+                          rejected_ids=candidates.token_ids[keep[pair.rejected_index]])
+        records.append(record)
+    return records
 
 
 def _turn_seed(seed: int, key: tuple[int, int]) -> int:
@@ -258,7 +270,7 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
 
     sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
     log-probs (reference_logp unused with rank_reference='sampler')."""
-    from sweet_jax.rollout import append_records, read_records
+    from sweet_jax import jsonl
 
     if rank_reference not in RANK_REFERENCES:
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
@@ -266,7 +278,7 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
         raise RankError("rank_reference='ref_with_info' needs a reference model (pi_ref) scorer")
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["trajectory_index"], r["turn"]) for r in read_records(out, repair=True)}
+    done = {(r["trajectory_index"], r["turn"]) for r in jsonl.read(out, partial="repair")}
     todo = [p for p in prompts if p.key not in done]
     bar = None
     if progress:
@@ -283,7 +295,7 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
                                rank_reference=rank_reference, pairing=pairing)
             gaps += [r["chosen_score"] - r["rejected_score"] for r in pairs]
             records += pairs
-        append_records(out, records)
+        jsonl.append(out, records)
         written += len(records)
         if bar is not None:
             bar.update(len(batch))
@@ -293,52 +305,25 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
             "mean_score_gap": float(np.mean(gaps)) if gaps else None}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Loading the models from a config
-# ----------------------------------------------------------------------------------------------------------
-
-def load_scoring_model(path: str, *, dtype: str, mesh, vocab_size: int, seed: int, what: str):
-    """(model, the training run's config or None) from an HF checkpoint directory, a training workdir (its
-    latest readable checkpoint, via sweet_jax.export.restore_model), or '' = a tiny random demo model."""
-    from flax import nnx
-
-    from sweet_jax.models import Llama, LlamaConfig, load_hf
-
-    if not path:
-        return Llama(LlamaConfig.tiny(vocab_size=vocab_size), rngs=nnx.Rngs(seed)), None
-    p = pathlib.Path(path)
-    if (p / "config.json").exists() and any(p.glob("*.safetensors")):
-        return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
-    if p.is_dir():
-        from sweet_jax import export
-
-        model, step, run_config = export.restore_model(p)
-        log.info("%s: step %d of the training run %s", what, step, p)
-        return model, run_config
-    raise RankError(f"{what} path {path}: neither a Hugging Face checkpoint directory (config.json + safetensors) "
-                    "nor a training workdir")
-
-
 def run(config) -> dict:
     from sweet_jax import generate
     from sweet_jax.data import demo, schema, tokenizers
     from sweet_jax.envs import AGENT_PROMPT
-    from sweet_jax.rollout import load_model_sampler, make_mesh
+    from sweet_jax import rundir
 
-    mesh = make_mesh(config.mesh.shape)
+    mesh = rundir.make_mesh(config.mesh.shape)
     trajectories = schema.load_trajectories(config.trajectories or str(demo.paths().trajectories),
                                           skip_bad=config.skip_bad)
     if config.num_trajectories > 0:
         trajectories = trajectories[:config.num_trajectories]
     prompts = turn_prompts(trajectories)
-    sampler: generate.Sampler = load_model_sampler(config.policy.path, config.policy.tokenizer,
-                                                   dtype=config.policy.dtype, seed=config.seed, mesh=mesh,
-                                                   max_batch_size=config.max_batch_size)
+    sampler: generate.Sampler = rundir.load_sampler(config.policy.path, config.policy.tokenizer,
+                                                    dtype=config.policy.dtype, seed=config.seed, mesh=mesh,
+                                                    max_batch_size=config.max_batch_size)
     tokenizer = sampler.tokenizer
     tokenizers.check_chat_template(tokenizer)
-    vocab = sampler.config.vocab_size
-    critic, critic_run = load_scoring_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
-                                            vocab_size=vocab, seed=config.seed + 1, what="critic")
+    critic, critic_run = rundir.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
+                                           tokenizer=tokenizer, seed=config.seed + 1, what="critic")
     info_template, info_placement, use_info = config.info_template, config.info_placement, config.critic.use_info
     if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
         info_template, info_placement = critic_run.data.info_template, critic_run.data.info_placement
@@ -353,8 +338,8 @@ def run(config) -> dict:
     reference_logp = None
     if config.rank_reference == "ref_with_info":
         ref_path = config.reference.path or config.policy.path
-        reference = sampler.model if ref_path == config.policy.path else load_scoring_model(
-            ref_path, dtype=config.critic.dtype, mesh=mesh, vocab_size=vocab, seed=config.seed, what="reference")[0]
+        reference = sampler.model if ref_path == config.policy.path else rundir.load_model(
+            ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
         reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
     calls = [0]
 

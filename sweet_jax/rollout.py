@@ -34,7 +34,7 @@ import numpy as np
 
 from sweet_jax.envs import (AGENT_PROMPT, NO_ANSWER, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
                             Simulator, SimulatorError, task_field, task_json)
-from sweet_jax import jsonl
+from sweet_jax import jsonl, rundir
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -312,35 +312,6 @@ def load_task_list(path: str, num_tasks: int) -> list[Any]:
     return [task_json(t) for t in tasks]
 
 
-def make_mesh(shape) -> Any:
-    if not shape:
-        return None
-    from sweet_jax import sharding
-
-    return sharding.make_mesh(tuple(shape))
-
-
-def load_model_sampler(path: str, tokenizer: str, *, dtype: str = "float32", seed: int = 0, mesh=None,
-                       max_batch_size: int = 64):
-    """A Sampler for an HF checkpoint directory, or for the demo tiny random model when path is ''."""
-    from sweet_jax import generate
-    from sweet_jax.data import demo, tokenizers
-
-    tokenizer_dir = tokenizer or path or str(demo.paths().tokenizer)
-    if path:
-        return generate.load_sampler(path, tokenizer_path=tokenizer_dir, mesh=mesh, dtype=dtype or None,
-                                     max_batch_size=max_batch_size, seed=seed)
-    from flax import nnx
-
-    from sweet_jax.models import Llama, LlamaConfig
-
-    tok = tokenizers.load_tokenizer(tokenizer_dir)
-    eos = tuple(sorted(tokenizers.end_of_turn_ids(tok)))
-    config = LlamaConfig.tiny(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=eos)
-    model = Llama(config, rngs=nnx.Rngs(seed))
-    return generate.Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)
-
-
 def make_simulator(config, policy_sampler=None) -> Simulator:
     from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
 
@@ -351,8 +322,9 @@ def make_simulator(config, policy_sampler=None) -> Simulator:
                                max_retries=s.max_retries, backoff_s=s.backoff_s, concurrency=s.concurrency,
                                max_tokens=s.max_tokens, template=template)
     if s.kind == "model":
-        sampler = policy_sampler if not s.path else load_model_sampler(
-            s.path, s.tokenizer, dtype=config.policy.dtype, seed=config.seed, mesh=make_mesh(config.mesh.shape))
+        sampler = policy_sampler if not s.path else rundir.load_sampler(
+            s.path, s.tokenizer, dtype=config.policy.dtype, seed=config.seed,
+            mesh=rundir.make_mesh(config.mesh.shape))
         return ModelSimulator(sampler, max_new_tokens=s.max_tokens, seed=config.seed, template=template)
     if s.kind == "scripted":
         return ScriptedSimulator()
@@ -369,9 +341,9 @@ def run(config) -> dict:
     agent_prompt = AGENT_PROMPT if config.agent_prompt else None
     if config.get("agent_prompt_path"):
         agent_prompt = load_prompt(config.agent_prompt_path, "agent")
-    mesh = make_mesh(config.mesh.shape)
-    sampler = load_model_sampler(config.policy.path, config.policy.tokenizer, dtype=config.policy.dtype,
-                                 seed=config.seed, mesh=mesh, max_batch_size=config.max_batch_size)
+    mesh = rundir.make_mesh(config.mesh.shape)
+    sampler = rundir.load_sampler(config.policy.path, config.policy.tokenizer, dtype=config.policy.dtype,
+                                  seed=config.seed, mesh=mesh, max_batch_size=config.max_batch_size)
     policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
                            temperature=config.sampling.temperature, top_p=config.sampling.top_p,
                            top_k=config.sampling.top_k, system_prompt=agent_prompt,

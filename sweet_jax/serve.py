@@ -571,43 +571,18 @@ def start_server(sampler: Sampler, *, host: str = "127.0.0.1", port: int = 0, mo
 # CLI
 # ----------------------------------------------------------------------------------------------------------
 
-def is_training_workdir(path: str) -> bool:
-    """A sweet_jax.train run directory (checkpoints/ + the run's config.json), not a HF checkpoint."""
-    has_weights = any(f.endswith(".safetensors") for f in os.listdir(path))
-    return (os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(os.path.join(path, "config.json"))
-            and not has_weights)
-
-
 def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                        mesh_shape: tuple[int, int, int] | None = None, max_batch_size: int = 64) -> Sampler:
     """A Sampler for a Hugging Face checkpoint directory or a training workdir (its latest checkpoint)."""
-    import transformers
+    from sweet_jax import rundir
 
-    from sweet_jax.generate import load_sampler
-
-    if not os.path.isdir(model):
-        raise SweetJaxError(f"--model {model}: no such directory; pass a Hugging Face checkpoint directory "
-                            "or a training workdir")
-    mesh = None
-    if mesh_shape is not None:
-        from sweet_jax.sharding import make_mesh
-        mesh = make_mesh(mesh_shape)
-    if is_training_workdir(model):
-        from sweet_jax import export, sharding, train
-
-        llama, step, config = export.restore_model(model)  # params land on a (1, -1, 1) mesh
-        log.info("serving step %d of the training run %s", step, model)
-        mesh = mesh or sharding.make_mesh((1, -1, 1))
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer or train.tokenizer_path(config))
-        return Sampler(llama, tok, mesh, max_batch_size=max_batch_size)
-    if not os.path.exists(os.path.join(model, "config.json")):
-        raise SweetJaxError(f"--model {model} has no config.json: pass a Hugging Face checkpoint directory "
-                            "(config.json + *.safetensors) or a training workdir (checkpoints/)")
-    sampler = load_sampler(model, tokenizer_path=tokenizer, mesh=mesh, dtype=dtype, max_batch_size=max_batch_size)
-    if sampler.tokenizer is None:
-        raise SweetJaxError(f"no tokenizer in {tokenizer or model}; pass --tokenizer DIR (a directory with "
-                            "tokenizer.json / tokenizer_config.json)")
-    return sampler
+    if not model or not os.path.isdir(model):
+        raise SweetJaxError(f"--model {model!r}: no such directory; pass a Hugging Face checkpoint directory "
+                            "(config.json + *.safetensors) or a training workdir")
+    mesh = rundir.make_mesh(mesh_shape, field="--mesh") if mesh_shape is not None else None
+    # Plain completions need no chat template; /v1/chat/completions says so when the tokenizer has none.
+    return rundir.load_sampler(model, tokenizer, dtype=dtype, mesh=mesh, max_batch_size=max_batch_size,
+                               chat_template=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,13 +24,14 @@ import time
 import ml_collections
 import numpy as np
 
-from sweet_jax import cli, config_utils, host_malloc
+from sweet_jax import cli, config_utils, host_malloc, rundir
 from sweet_jax.errors import SweetJaxError
+# What a run directory holds and how models load live in sweet_jax.rundir; these names are its.
+from sweet_jax.rundir import (CHECKPOINT_DIR, CONFIG_FILE, demo_paths, initialize_distributed,  # noqa: F401
+                              model_config, read_config, tokenizer_path)
 
 log = logging.getLogger("sweet_jax.train")
 
-CHECKPOINT_DIR = "checkpoints"
-CONFIG_FILE = "config.json"
 
 
 class TrainConfigError(SweetJaxError):
@@ -85,72 +86,6 @@ def config_get(config, dotted: str):
     for part in dotted.split("."):
         node = node[part]
     return node
-
-
-def write_config(config: ml_collections.ConfigDict, workdir) -> None:
-    """The resolved config, next to the checkpoints: JSON (read back by export) and a readable copy."""
-    (workdir / CONFIG_FILE).write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    (workdir / "config.txt").write_text(str(config))
-
-
-def read_config(workdir) -> ml_collections.ConfigDict:
-    from etils import epath
-    path = epath.Path(workdir) / CONFIG_FILE
-    if not path.exists():
-        raise TrainConfigError(f"{path} does not exist: --workdir must be the directory of a training run")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
-
-
-def demo_paths():
-    from sweet_jax.data import demo
-    return demo.paths()
-
-
-def tokenizer_path(config) -> str:
-    if config.data.tokenizer:
-        return config.data.tokenizer
-    if config.model.path:
-        return config.model.path
-    return str(demo_paths().tokenizer)
-
-
-# ==========================================================================================================
-# Distributed init and mesh
-# ==========================================================================================================
-
-def initialize_distributed() -> None:
-    """jax.distributed.initialize when this is one process of several.
-
-    JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (any machines, CPU tests included) are
-    passed explicitly; TPU pod slices, SLURM and Open MPI are detected by sharding.initialize_distributed.
-    """
-    import jax
-    from sweet_jax import sharding
-
-    num = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    if num > 1:
-        if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
-            # CPU cross-process collectives need an implementation; gloo ships with jaxlib.
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=num,
-            process_id=int(os.environ["JAX_PROCESS_ID"]))
-    else:
-        sharding.initialize_distributed()
-
-
-def build_mesh(config):
-    import jax
-    from sweet_jax import sharding
-
-    shape = tuple(int(s) for s in config.mesh.shape)
-    n = jax.device_count()
-    fixed = math.prod(s for s in shape if s != -1)
-    if fixed > n or (-1 in shape and n % fixed):
-        raise TrainConfigError(
-            f"config.mesh.shape={shape} needs {fixed} devices{'' if -1 not in shape else ' (times the -1 axis)'}, "
-            f"but this run has {n}; set --config.mesh.shape so the sizes multiply to {n} (e.g. '(1,-1,1)')")
-    return sharding.make_mesh(shape)
 
 
 # ==========================================================================================================
@@ -319,7 +254,9 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
         examples, ids = [], []
         for i in part:
             r = listed[i]
-            if pairs_lib.is_official_pair_row(r):
+            if pairs_lib.has_sampled_ids(r):  # the sampled token ids, not their text tokenised again
+                seqs = pairs_lib.sampled_pair_sequences(tokenizer, r, where=f"{config.data.pairs} (pair {i})")
+            elif pairs_lib.is_official_pair_row(r):
                 seqs = pairs_lib.official_pair_sequences(tokenizer, r, where=config.data.pairs)
             else:
                 seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"],
@@ -337,27 +274,6 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
 # ==========================================================================================================
 # Model
 # ==========================================================================================================
-
-def model_config(config, vocab_size: int, tokenizer=None):
-    """The LlamaConfig of the run: from model.path's config.json, or the named preset (demo: tiny, whose
-    vocabulary and bos/eos come from the tokenizer so an exported demo model generates and stops)."""
-    from sweet_jax.models import LlamaConfig
-    from sweet_jax.models.hf import read_hf_config
-
-    from sweet_jax.config_utils import model_overrides
-
-    overrides = model_overrides(config)
-    if config.model.path:
-        return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
-    preset = getattr(LlamaConfig, config.model.preset)
-    if config.model.preset == "tiny":
-        if tokenizer is not None:
-            from sweet_jax.data.tokenizers import end_of_turn_ids
-            eos = tuple(sorted(end_of_turn_ids(tokenizer)))
-            overrides.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
-        return preset(vocab_size=vocab_size, **overrides)
-    return preset(**overrides)
-
 
 def build_model(config, llama_config, mesh):
     """The model to train, sharded on the mesh: HF weights from model.path, or a seeded random init."""
@@ -521,16 +437,24 @@ def stage_title(config, workdir, steps: int) -> str:
     return f"{stage} ({where}, {steps} steps)"
 
 
-def run(config: ml_collections.ConfigDict, workdir) -> dict:
-    """Train as configured in `workdir` (resuming it if it holds a run). Returns a summary dict."""
+def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
+    """Train as configured in `workdir` (resuming it if it holds a run). Returns a summary dict.
+
+    A finished run made with the same config returns its summary at once. A run whose saved config differs
+    is refused (naming the fields) unless accept_config_change, which records the change in the workdir."""
     check_config(config)
+    finished = rundir.finished_summary(config, workdir)
+    if finished is not None:
+        log.info("%s already holds this run, finished at step %s: nothing to do (its summary.json and curves.png "
+                 "are there; pick another --workdir to train again)", workdir, finished.get("steps"))
+        return finished
     initialize_distributed()
-    import jax
     with contextlib.ExitStack() as mesh_scope:
-        return _run(config, workdir, build_mesh(config), mesh_scope)
+        return _run(config, workdir, rundir.make_mesh(config.mesh.shape), mesh_scope, accept_config_change)
 
 
-def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextlib.ExitStack) -> dict:
+def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextlib.ExitStack,
+         accept_config_change: bool = False) -> dict:
     import jax
     from sweet_jax import checkpoint, metrics as metrics_lib, steps
     from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
@@ -547,8 +471,12 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
             raise TrainConfigError(
                 f"config.train.{field}={size} is not a multiple of the batch-sharded devices "
                 f"(mesh data x fsdp = {batch_devices}); set it to a multiple of {batch_devices}")
+    changes = rundir.write_config(config, workdir, accept_change=accept_config_change, write=is_main)
+    if changes:
+        log.warning("config changed on this rerun (recorded in %s): %s", rundir.CONFIG_CHANGES,
+                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
     if is_main:
-        write_config(config, workdir)
+        rundir.record_invocation(workdir, accepted_config_changes=[field for field, _, _ in changes])
     log.info("mesh %s over %d devices (%s), %d process(es); host allocator: %s", dict(mesh.shape),
              jax.device_count(), jax.devices()[0].device_kind, jax.process_count(), host_malloc.active())
 
@@ -770,7 +698,7 @@ def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextli
 def main(argv):
     from absl import flags
     del argv
-    run(flags.FLAGS.config, flags.FLAGS.workdir)
+    run(flags.FLAGS.config, flags.FLAGS.workdir, accept_config_change=flags.FLAGS.accept_config_change)
 
 
 def define_flags():
@@ -779,6 +707,8 @@ def define_flags():
     config_flags.DEFINE_config_file("config", None, "a config file with preset: configs/critic.py:demo",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, config; resumes if it holds a run")
+    flags.DEFINE_bool("accept_config_change", False, "rerun a workdir with a config that differs from its saved one "
+                      "(the change is recorded in WORKDIR/config_changes.jsonl)")
     flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -34,17 +34,52 @@ def test_dry_run_prints_create_wait_install_train_copy_delete():
                        "--node-id=run1 --accelerator-type=v5p-8 --runtime-version=v2-alpha-tpuv5")
     assert cmds[1].startswith("gcloud --project=proj compute tpus queued-resources describe run1 --zone=us-east5-b")
     ssh = [c for c in cmds if " tpu-vm ssh run1 " in c]
-    assert ssh and all("--worker=all" in c for c in ssh)
+    assert ssh and all("--worker=all" in c for c in ssh if "--command=cat" not in c)  # worker 0: the exit status
     assert any("pip\\ install" in c for c in ssh)  # install on every worker
     train = [c for c in ssh if "sweet_jax.train" in c]
     assert len(train) == 1 and "configs/critic.py:llama3_8b" in train[0] and "gs://bkt/runs/run1" in train[0]
     assert any(c.startswith("gcloud --project=proj compute tpus tpu-vm scp run1:") for c in cmds)  # logs back
     assert any("gs://bkt/logs/run1/" in c for c in cmds)
     assert cmds[-1] == "gcloud --project=proj compute tpus queued-resources delete run1 --zone=us-east5-b --force --quiet"
+    assert "setsid\\ nohup" in train[0]  # detached: the run survives the ssh session
     order = [next(i for i, c in enumerate(cmds) if key in c) for key in
              ("queued-resources create", "queued-resources describe", "pip\\ install", "sweet_jax.train",
-              "tpu-vm scp run1:", "queued-resources delete")]
+              "--command=test\\ -f", "tpu-vm scp run1:", "queued-resources delete")]
     assert order == sorted(order)
+    [tar] = [c for c in cmds if c.startswith("tar ")]
+    for left_out in ("./runs", "./logs", ".venv", ".ci-venv", ".git"):
+        assert f"--exclude={left_out}" in tar, left_out
+
+
+def test_help_prints_the_usage_only():
+    proc = launch("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Launch a sweet_jax training run") and lines[-1].strip() == "-h | --help"
+    assert not any(line.startswith(("set ", "usage()", "#")) for line in lines)
+
+
+def test_logs_are_copied_before_the_vm_is_deleted_when_the_run_fails(tmp_path):
+    """A fake gcloud: the queued resource is ACTIVE at once, every command succeeds, worker 0's run ended with
+    status 3. The script exits 3, and copies the logs before it deletes the VM."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    calls = tmp_path / "calls.txt"
+    (fake / "gcloud").write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+case "$*" in
+  *"queued-resources describe"*) echo ACTIVE ;;
+  *"--command=cat /tmp/sweet_jax_train.rc"*) echo 3 ;;
+esac
+""")
+    (fake / "gcloud").chmod(0o755)
+    proc = launch("--project", "p", "--zone", "z", "--bucket", "gs://b", "--name", "r", "--repo", "https://x/y.git",
+                  PATH=f"{fake}:{os.environ['PATH']}", POLL_SECONDS="0")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = calls.read_text().splitlines()
+    copy = next(i for i, c in enumerate(lines) if "gsutil cp /tmp/sweet_jax_train.log" in c)
+    delete = next(i for i, c in enumerate(lines) if "queued-resources delete" in c)
+    assert copy < delete and any("tpu-vm scp r:/tmp/sweet_jax_train.log" in c for c in lines[copy:delete])
 
 
 def test_settings_come_from_the_environment_and_spot_keep_flags_work():

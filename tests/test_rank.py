@@ -162,6 +162,13 @@ def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     result = rank_lib.run(config)
     records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert result["turns"] == 3 and result["pairs_written_now"] == len(records) > 0
+    from sweet_jax import rundir
+    tokenizer = rundir.load_tokenizer_for("")
     for r in records:
         assert r["chosen_score"] > r["rejected_score"]
         assert r["prompt_text"].startswith("<|begin_of_text|>") and r["prompt"][0]["role"] == "user"
+        # The sampled ids travel with the texts (the DPO step trains on them): they decode to the texts.
+        assert r["prompt_ids"] == tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"]
+        for side in ("chosen", "rejected"):
+            assert 0 < len(r[f"{side}_ids"]) <= config.max_new_tokens
+            assert r[side] == tokenizer.decode(r[f"{side}_ids"], skip_special_tokens=True)

@@ -97,6 +97,38 @@ def straight_run(tmp_path_factory, data):
     return workdir
 
 
+def test_rerunning_a_finished_run_returns_at_once_and_a_changed_config_is_refused(straight_run, data):
+    """The same command again: nothing rendered, no reference pass, no line added to metrics.jsonl. Another
+    learning rate on the same workdir: one line naming the field, exit 2, the saved config untouched."""
+    metrics_before = (straight_run / "metrics.jsonl").read_text()
+    config_before = (straight_run / "config.json").read_text()
+    again = run_train(straight_run, data, "--config.data.eval_fraction=0.2")
+    assert "nothing to do" in again.stderr and "reference log-probs" not in again.stderr, again.stderr[-2000:]
+    assert (straight_run / "metrics.jsonl").read_text() == metrics_before
+    changed = run_train(straight_run, data, "--config.data.eval_fraction=0.2", "--config.optim.lr=0.01", check=False)
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "optim.lr: 0.003 -> 0.01" in errors[0] and "--accept_config_change" in errors[0]
+    assert "Traceback" not in changed.stderr
+    assert (straight_run / "config.json").read_text() == config_before
+
+
+def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
+    from sweet_jax import rundir
+
+    config = demo_config(file="critic.py", preset="demo")
+    assert rundir.write_config(config, tmp_path) == []
+    assert rundir.write_config(config, tmp_path) == []  # the same config: a plain resume
+    changed = demo_config(file="critic.py", preset="demo", optim__lr=0.01)
+    with pytest.raises(rundir.RunDirError, match=r"optim.lr: 0.003 -> 0.01"):
+        rundir.write_config(changed, tmp_path)
+    assert rundir.read_config(tmp_path).optim.lr == 0.003
+    assert rundir.write_config(changed, tmp_path, accept_change=True) == [("optim.lr", 0.003, 0.01)]
+    assert rundir.read_config(tmp_path).optim.lr == 0.01
+    [record] = [json.loads(line) for line in (tmp_path / rundir.CONFIG_CHANGES).read_text().splitlines()]
+    assert record["changes"] == [{"field": "optim.lr", "old": 0.003, "new": 0.01}] and record["time"]
+
+
 def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
     """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
     import ctypes.util
@@ -120,6 +152,9 @@ def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
     assert steps_on_disk(straight_run) == [2, 4, 6]
     config = json.loads((straight_run / "config.json").read_text())
     assert config["train"]["num_steps"] == STEPS and config["loss"]["kind"] == "critic"
+    [started] = [json.loads(line) for line in (straight_run / "invocations.jsonl").read_text().splitlines()]
+    assert "sweet_jax.train" in " ".join(started["argv"]) and started["packages"]["jax"] and started["time"]
+    assert started["devices"]["count"] == 1 and "git" in started
     assert (straight_run / "curves.png").stat().st_size > 10_000
     assert list((straight_run / "tensorboard").glob("events.out.tfevents.*"))
     summary = json.loads((straight_run / "summary.json").read_text())
@@ -280,9 +315,10 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
     np.testing.assert_array_equal(chosen.input_ids[:prompt_len], rejected.input_ids[:prompt_len])
 
 
-def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch):
-    """Step-level DPO on rank's pairs; a SIGTERM during step 1 (TPU preemption) ends the run after that step
-    with a checkpoint of it."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
+    """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
+    that step with a checkpoint of it, and the command line's exit status names the signal."""
     from sweet_jax import steps, train
     from sweet_jax.data.tokenizers import load_tokenizer
 
@@ -293,7 +329,7 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
 
         def step_with_sigterm(state, batch, *rest):
             if int(state.step) == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signum)
             return step_fn(state, batch, *rest)
         return step_with_sigterm
 
@@ -303,15 +339,15 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=3, train__eval_every=0, data__eval_fraction=0.0,
                          mesh__shape=(1, 1, 1))
-    handler_before = signal.getsignal(signal.SIGTERM)
+    handler_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(train.Preempted) as preempted:
         train.run(config, tmp_path / "policy")
-    assert preempted.value.step == 1
+    assert preempted.value.step == 1 and preempted.value.exit_code == 128 + signum
     assert steps_on_disk(tmp_path / "policy") == [1]
     rows = records(tmp_path / "policy")
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["loss"] == pytest.approx(np.log(2) + 0.01 * rows[0]["nll"], rel=1e-5)  # DPO at the reference + NLL
-    assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's handler is gone
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handler_before  # handlers gone
 
 
 def test_peak_flops_by_device_kind_and_measured_on_cpu():

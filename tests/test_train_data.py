@@ -135,3 +135,35 @@ def test_hosts_resume_exactly_with_reference_logprobs_in_the_batches(data, token
             ref, ids, mask = got["ref_logp"][real], got["input_ids"][real], got["attention_mask"][real] == 1
             np.testing.assert_allclose(ref[mask], ids[mask] / 7, rtol=1e-6)
             assert (ref[~mask] == 0).all()
+
+
+def test_policy_pairs_train_on_the_sampled_ids_not_their_text_tokenised_again(tokenizer, tmp_path):
+    """A reply sampled one character-token at a time decodes to text that the tokenizer encodes with fewer,
+    merged tokens. The DPO examples hold the sampled ids (then the end-of-turn token), not the re-encoding."""
+    from sweet_jax import train
+    from sweet_jax.data.render import end_of_turn_token
+
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    sampled = {}
+    for side, word in (("chosen", "def add"), ("rejected", "return")):
+        ids = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ch)[0]) for ch in word.replace(" ", "")]
+        text = tokenizer.decode(ids)
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] != ids  # re-tokenising gives other ids
+        sampled[side] = (text, ids)
+    row = {"trajectory_index": 0, "turn": 1, "task_key": "t0", "prompt": messages, "prompt_text": prompt_text,
+           "chosen": sampled["chosen"][0], "rejected": sampled["rejected"][0], "chosen_score": 1.0,
+           "rejected_score": 0.0, "prompt_ids": prompt_ids, "chosen_ids": sampled["chosen"][1],
+           "rejected_ids": sampled["rejected"][1] + [end_of_turn_token(tokenizer)]}  # stopped on its own
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    config = demo_config(file="policy.py", preset="demo", data__pairs=str(path), data__eval_fraction=0.0,
+                         train__batch_size=1, data__max_len=512, data__bucket=128)
+    train_set, _ = train.build_datasets(config, tokenizer)
+    [(chosen, rejected)] = train_set.examples
+    eot = end_of_turn_token(tokenizer)
+    for seq, side in ((chosen, "chosen"), (rejected, "rejected")):
+        expected = prompt_ids + sampled[side][1] + [eot]
+        np.testing.assert_array_equal(seq.input_ids, expected)
+        np.testing.assert_array_equal(seq.turn_ids, [0] * len(prompt_ids) + [1] * (len(expected) - len(prompt_ids)))

@@ -13,6 +13,7 @@ import numpy as np
 
 from sweet_jax.data.render import (OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, fit_all, render_official_text,
                                    render_trajectory, reply_from_tokens)
+from sweet_jax.data.tokenizers import end_of_turn_ids
 from sweet_jax.data.schema import DataError, Trajectory
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,37 @@ def policy_pair_examples(prompts: Sequence[Rendered], pairs: Sequence[PolicyPair
                                    max_len, overflow=overflow, stats=stats))
     stats.log("policy pair examples", max_len)
     return out, stats
+
+
+SAMPLED_ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def has_sampled_ids(row: dict) -> bool:
+    """A sweet_jax.rank row that carries the token ids the policy read and sampled."""
+    return all(isinstance(row.get(k), list) for k in SAMPLED_ID_FIELDS)
+
+
+def sampled_pair_sequences(tokenizer, row: dict, *, where: str = "") -> tuple[Rendered, Rendered]:
+    """(chosen, rejected) from the ids the sampler produced: the prompt's ids (turn id 0), then the reply's
+    sampled ids and its end-of-turn token (turn id 1; appended when the reply was cut by max_new_tokens).
+    Nothing is tokenised again: decoding and re-encoding a sample need not give back the ids the policy
+    sampled, and DPO must score what the policy sampled."""
+    from sweet_jax.data.render import end_of_turn_token
+
+    eot_ids = end_of_turn_ids(tokenizer)
+    eot = end_of_turn_token(tokenizer)
+    vocab = len(tokenizer)
+    out = []
+    for side in ("chosen_ids", "rejected_ids"):
+        prompt, reply = list(row["prompt_ids"]), list(row[side])
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt + reply):
+            raise DataError(f"{side} / prompt_ids: token ids must be integers in [0, {vocab}) of this tokenizer",
+                            where=where)
+        if not reply or reply[-1] not in eot_ids:
+            reply = reply + [eot]
+        out.append(reply_from_tokens(Rendered(np.asarray(prompt, np.int32), np.zeros(len(prompt), np.int32), (),
+                                              tokenizer.eos_token_id), reply))
+    return out[0], out[1]
 
 
 def is_official_pair_row(row: dict) -> bool:

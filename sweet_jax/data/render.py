@@ -137,6 +137,16 @@ def _end_of_turn_text(tokenizer) -> str:
     return text[text.index(sentinel) + len(sentinel):]
 
 
+def end_of_turn_token(tokenizer) -> int:
+    """The end-of-turn token id the chat template writes after an assistant reply (Llama 3: <|eot_id|>)."""
+    ids = tokenizer(_end_of_turn_text(tokenizer), add_special_tokens=False)["input_ids"]
+    eot = end_of_turn_ids(tokenizer)
+    found = [int(i) for i in ids if int(i) in eot]
+    if not found:
+        raise RenderError("the chat template writes no end-of-turn token after an assistant reply")
+    return found[0]
+
+
 def _tokenize(tokenizer, text: str):
     try:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

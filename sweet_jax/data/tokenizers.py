@@ -75,8 +75,9 @@ LLAMA3_SPLIT_PATTERN = (
 )
 
 
-def load_tokenizer(path):
-    """Load a Hugging Face tokenizer from a local directory; it must carry a chat template."""
+def load_tokenizer(path, *, require_chat_template: bool = True):
+    """Load a Hugging Face tokenizer from a local directory; it must carry a chat template (unless not
+    require_chat_template: a server's plain completions need none)."""
     import transformers
 
     path = pathlib.Path(os.fspath(path))
@@ -87,7 +88,8 @@ def load_tokenizer(path):
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types here; the user needs the path and the cause.
         raise TokenizerError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from e
-    check_chat_template(tokenizer, where=str(path))
+    if require_chat_template:
+        check_chat_template(tokenizer, where=str(path))
     return tokenizer
 
 

@@ -1,0 +1,339 @@
+"""What a run directory is, and how a model, its tokenizer and a sampler are loaded from a path.
+
+A training run directory (`--workdir`) holds
+  config.json / config.txt   the resolved config (JSON read back by export, serve, rank; a readable copy)
+  config_changes.jsonl       every accepted change of the config on a rerun (--accept_config_change), timed
+  invocations.jsonl          one line per start: time, argv, git SHA, package versions, devices
+  checkpoints/               Orbax checkpoints (params, optimiser state, data position, RNG)
+  metrics.jsonl, tensorboard/, curves.png, summary.json (at the end)
+
+A model path is one of: a Hugging Face checkpoint directory (config.json + *.safetensors), a training run
+directory (its latest readable checkpoint), or '' for the demo tiny random model (its vocabulary from the
+tokenizer). `load_model` and `load_sampler` are the one way every command loads them.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+from sweet_jax import jsonl
+from sweet_jax.errors import SweetJaxError
+
+CONFIG_FILE = "config.json"
+CONFIG_TEXT = "config.txt"
+CONFIG_CHANGES = "config_changes.jsonl"
+INVOCATIONS = "invocations.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+SUMMARY_FILE = "summary.json"
+PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "transformers", "tokenizers", "numpy",
+            "ml_collections", "sweet-jax")
+
+
+class RunDirError(SweetJaxError):
+    """A path that is not what the command needs (no run there, a changed config, ...)."""
+
+
+def _path(workdir):
+    from etils import epath
+    return epath.Path(os.fspath(workdir))
+
+
+# ==========================================================================================================
+# The config of a run
+# ==========================================================================================================
+
+def config_json(config) -> str:
+    return config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+
+
+def read_config(workdir):
+    """The resolved config of the training run in `workdir`."""
+    import ml_collections
+
+    path = _path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise RunDirError(f"{path} does not exist: --workdir must be the directory of a training run")
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(field, old value, new value) of every field that differs between two JSON configs, sorted."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += config_changes(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [(prefix.rstrip("."), old, new)] if old != new else []
+
+
+def write_config(config, workdir, *, accept_change: bool = False, write: bool = True) -> list[tuple[str, Any, Any]]:
+    """Write the run's config. A rerun whose config differs from the saved one is refused, naming the fields,
+    unless accept_change: then the change is appended to config_changes.jsonl with the time, and the new config
+    becomes the run's. Returns the changes (empty for a new run or the same config). write=False: check only
+    (the processes of a multi-host run other than the first)."""
+    workdir = _path(workdir)
+    path = workdir / CONFIG_FILE
+    text = config_json(config)
+    changes = []
+    if path.exists():
+        changes = config_changes(json.loads(path.read_text()), json.loads(text))
+        if changes and not accept_change:
+            shown = "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes[:8])
+            more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
+            raise RunDirError(f"{workdir} holds a run with another config ({shown}{more}): rerun with the same "
+                              "flags to resume it, pick another --workdir, or pass --accept_config_change to go on "
+                              "with the new values (recorded in config_changes.jsonl)")
+        if changes and write:
+            with (workdir / CONFIG_CHANGES).open("a") as f:
+                f.write(json.dumps({"time": _now(), "changes": [
+                    {"field": field, "old": old, "new": new} for field, old, new in changes]}) + "\n")
+    if write and (changes or not path.exists()):
+        path.write_text(text)
+        (workdir / CONFIG_TEXT).write_text(str(config))
+    return changes
+
+
+def finished_summary(config, workdir) -> dict | None:
+    """The summary of a finished run in `workdir` made with this very config, else None."""
+    workdir = _path(workdir)
+    summary, saved = workdir / SUMMARY_FILE, workdir / CONFIG_FILE
+    if not (summary.exists() and saved.exists()):
+        return None
+    if config_changes(json.loads(saved.read_text()), json.loads(config_json(config))):
+        return None
+    return json.loads(summary.read_text())
+
+
+# ==========================================================================================================
+# Where a run came from
+# ==========================================================================================================
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_revision(directory: pathlib.Path | None = None) -> str | None:
+    """The checkout's commit (with '+dirty' when files differ from it), None outside a git checkout."""
+    directory = directory or pathlib.Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "-C", str(directory), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("+dirty" if dirty else "") if sha else None
+
+
+def package_versions() -> dict[str, str | None]:
+    from importlib import metadata
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def provenance() -> dict:
+    """Time, argv, git SHA, package versions and devices of this process."""
+    import jax
+    devices = jax.devices()
+    return {"time": _now(), "argv": list(getattr(sys, "orig_argv", sys.argv)), "git": git_revision(),
+            "python": sys.version.split()[0], "packages": package_versions(),
+            "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind,
+                        "count": jax.device_count(), "processes": jax.process_count()},
+            "host": os.uname().nodename}
+
+
+def record_invocation(workdir, **extra) -> None:
+    """Append this start of the run (provenance + extra) to workdir/invocations.jsonl."""
+    path = _path(workdir) / INVOCATIONS
+    with path.open("a") as f:
+        f.write(json.dumps({**provenance(), **extra}) + "\n")
+
+
+# ==========================================================================================================
+# Tokenizer, distributed init, mesh
+# ==========================================================================================================
+
+def demo_paths():
+    from sweet_jax.data import demo
+    return demo.paths()
+
+
+def tokenizer_path(config) -> str:
+    """A training config's tokenizer: data.tokenizer, else model.path, else the bundled demo tokenizer."""
+    if config.data.tokenizer:
+        return config.data.tokenizer
+    if config.model.path:
+        return config.model.path
+    return str(demo_paths().tokenizer)
+
+
+def initialize_distributed() -> None:
+    """jax.distributed.initialize when this is one process of several.
+
+    JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (any machines, CPU tests included) are
+    passed explicitly; TPU pod slices, SLURM and Open MPI are detected by sharding.initialize_distributed.
+    """
+    import jax
+    from sweet_jax import sharding
+
+    num = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    if num > 1:
+        if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+            # CPU cross-process collectives need an implementation; gloo ships with jaxlib.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=num,
+            process_id=int(os.environ["JAX_PROCESS_ID"]))
+    else:
+        sharding.initialize_distributed()
+
+
+def make_mesh(shape, *, field: str = "config.mesh.shape"):
+    """The ('data', 'fsdp', 'tensor') mesh of `shape` (-1 = the rest of the devices); None for an empty shape
+    (one device, no sharding). A shape the devices cannot fill is a one-line error naming `field`."""
+    if not shape:
+        return None
+    import jax
+    from sweet_jax import sharding
+
+    shape = tuple(int(s) for s in shape)
+    n = jax.device_count()
+    fixed = math.prod(s for s in shape if s != -1)
+    if len(shape) != 3 or fixed > n or (-1 in shape and n % fixed):
+        raise RunDirError(
+            f"{field}={shape} needs {fixed} devices{'' if -1 not in shape else ' (times the -1 axis)'}, "
+            f"but this run has {n}; set {field} so the sizes multiply to {n} (e.g. '(1,-1,1)')")
+    return sharding.make_mesh(shape)
+
+
+# ==========================================================================================================
+# Models and samplers
+# ==========================================================================================================
+
+def model_config(config, vocab_size: int, tokenizer=None):
+    """The LlamaConfig of a training config: from model.path's config.json, or the named preset (demo: tiny,
+    whose vocabulary and bos/eos come from the tokenizer so an exported demo model generates and stops)."""
+    from sweet_jax.config_utils import model_overrides
+    from sweet_jax.models import LlamaConfig
+    from sweet_jax.models.hf import read_hf_config
+
+    overrides = model_overrides(config)
+    if config.model.path:
+        return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
+    preset = getattr(LlamaConfig, config.model.preset)
+    if config.model.preset == "tiny":
+        if tokenizer is not None:
+            overrides.update(demo_token_ids(tokenizer))
+        return preset(vocab_size=vocab_size, **overrides)
+    return preset(**overrides)
+
+
+def demo_token_ids(tokenizer) -> dict:
+    """bos/eos of the tiny demo model, from its tokenizer (eos: every end-of-turn token)."""
+    from sweet_jax.data.tokenizers import end_of_turn_ids
+    eos = tuple(sorted(end_of_turn_ids(tokenizer)))
+    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
+
+
+def is_hf_checkpoint(path) -> bool:
+    p = pathlib.Path(os.fspath(path))
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def is_training_run(path) -> bool:
+    """A sweet_jax.train run directory (checkpoints/ + the run's config.json), not a HF checkpoint."""
+    p = pathlib.Path(os.fspath(path))
+    return (p / CHECKPOINT_DIR).is_dir() and (p / CONFIG_FILE).is_file() and not any(p.glob("*.safetensors"))
+
+
+def restore_model(workdir, step: int | None = None):
+    """(the trained model as an nnx Llama, its step, the run's config) from a training run directory: only
+    the parameters, restored straight onto a mesh over the local devices."""
+    import jax
+    from flax import nnx
+    from sweet_jax import checkpoint, sharding
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.models import Llama
+
+    workdir = pathlib.Path(workdir)
+    config = read_config(workdir)
+    tokenizer = load_tokenizer(tokenizer_path(config))
+    llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    mesh = sharding.make_mesh((1, -1, 1))
+    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    shardings = sharding.param_shardings(params, mesh)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=0, async_save=False)
+    restored = ckpt.restore({"params": target}, step=step)
+    if restored is None:
+        raise RunDirError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint: train first "
+                          f"(python -m sweet_jax.train --workdir {workdir} ...)")
+    got_step, items, _ = restored
+    ckpt.close()
+    return nnx.merge(graphdef, items["params"], rest), got_step, config
+
+
+def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None, *, chat_template: bool = True):
+    """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
+    the training run's tokenizer, or the demo tokenizer for ''."""
+    from sweet_jax.data.tokenizers import load_tokenizer
+    directory = tokenizer or (tokenizer_path(run_config) if run_config is not None else path) or \
+        str(demo_paths().tokenizer)
+    return load_tokenizer(directory, require_chat_template=chat_template)
+
+
+def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None, seed: int = 0,
+               what: str = "model"):
+    """(model, the training run's config or None) for a model path (see the module docstring). `tokenizer`
+    sizes the demo model's vocabulary ('' path) and is checked against the loaded one's."""
+    from flax import nnx
+    from sweet_jax.data.tokenizers import check_vocab
+    from sweet_jax.models import Llama, LlamaConfig, load_hf
+
+    if not path:
+        if tokenizer is None:
+            tokenizer = load_tokenizer_for("")
+        config = LlamaConfig.tiny(vocab_size=len(tokenizer), **demo_token_ids(tokenizer))
+        return Llama(config, rngs=nnx.Rngs(seed)), None
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise RunDirError(f"{what} path {path}: no such directory; pass a Hugging Face checkpoint directory "
+                          "(config.json + *.safetensors), a training run directory, or '' for the demo model")
+    if is_hf_checkpoint(p):
+        if tokenizer is not None:  # before reading the weights
+            from sweet_jax.models.hf import read_hf_config
+            check_vocab(read_hf_config(p).get("vocab_size", 0), tokenizer, model=f"{what} {path}")
+        return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
+    if is_training_run(p):
+        model, step, run_config = restore_model(p)
+        import logging
+        logging.getLogger(__name__).info("%s: step %d of the training run %s", what, step, p)
+        return model, run_config
+    raise RunDirError(f"{what} path {path}: neither a Hugging Face checkpoint directory (config.json + "
+                      "*.safetensors) nor a training run directory (config.json + checkpoints/)")
+
+
+def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
+                 max_batch_size: int = 64, chat_template: bool = True):
+    """A generate.Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory)."""
+    from sweet_jax import generate
+
+    run_config = read_config(path) if path and is_training_run(path) else None
+    tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)
+    model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed)
+    if run_config is not None and mesh is None:
+        from sweet_jax import sharding
+        mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
+    return generate.Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)
