@@ -534,7 +534,8 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
                                        system_prompt=AGENT_PROMPT if c.agent_prompt else None)
         for p, cand in zip(batch, cands):
             rows.append({"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": cand.texts,
-                         "sampler_logp": [float(x) for x in cand.sampler_logp], "prompt_text": cand.prompt_text})
+                         "sampler_logp": [float(x) for x in cand.sampler_logp], "prompt_text": cand.prompt_text,
+                         "prompt_ids": cand.prompt_ids, "token_ids": cand.token_ids})  # the pairs carry the ids
     write_jsonl(d / "candidates.jsonl", rows)
     distinct = np.mean([len(set(r["texts"])) for r in rows]) if rows else 0.0
     return {"prompts": len(rows), "candidates": sum(len(r["texts"]) for r in rows),
@@ -557,7 +558,8 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
 
     def sample_fn(batch):  # the candidates were sampled once, for both rankings
         return [rank.Candidates(list(by_key[p.key]["texts"]), np.asarray(by_key[p.key]["sampler_logp"]),
-                                by_key[p.key]["prompt_text"]) for p in batch]
+                                by_key[p.key]["prompt_text"], prompt_ids=by_key[p.key].get("prompt_ids"),
+                                token_ids=by_key[p.key].get("token_ids")) for p in batch]
 
     tok = load_tokenizer(tokenizer_dir(c))
     dtype = c.model.dtype if c.model.dtype != "float32" else None
