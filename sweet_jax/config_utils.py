@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 8            # pairs per optimiser step (global, over all hosts)
-    c.train.micro_batch_size = 0      # pairs per forward/backward pass; 0 = automatic (steps.auto_micro_batch_size)
+    c.train.micro_batch_size = 0      # pairs per forward/backward; 0: on CPU steps.auto_micro_batch_size, else batch_size
     c.train.epochs = 1
     c.train.num_steps = 0             # > 0 overrides epochs
     c.train.seed = 0

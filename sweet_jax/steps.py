@@ -251,7 +251,7 @@ def _constrain(x, mesh, spec):
     return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-# What the activations of one micro-batch may take when micro_batch_size is 0 (automatic), per device.
+# What the activations of one micro-batch may take when micro_batch_size is 0 (automatic) on CPU, per device.
 ACTIVATION_BUDGET_BYTES = 1 << 30
 
 
@@ -281,7 +281,7 @@ def auto_micro_batch_size(config, batch_shape, *, batch_devices: int = 1, budget
 
 def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params, *, micro_batch_size, mesh):
     """Sum of micro-batch gradients and metrics; equal to the full batch's (losses share one denominator).
-    micro_batch_size 0: auto_micro_batch_size for this batch's shape and the model."""
+    micro_batch_size 0: on CPU auto_micro_batch_size for this batch's shape and the model, elsewhere the batch."""
     denom = spec.denominator(batch)
 
     def loss_fn(p, micro):
@@ -289,12 +289,15 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     B = batch["input_ids"].shape[0]
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if micro_batch_size:
         mb = micro_batch_size
-    else:
+    elif platform == "cpu":  # host memory; an accelerator's batch is sized by its preset (README, TPU plans)
         batch_devices = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         mb = auto_micro_batch_size(nnx.merge(graphdef, params, rest).config, batch["input_ids"].shape,
                                    batch_devices=batch_devices)
+    else:
+        mb = B
     if mb >= B:
         (_, metrics), grads = grad_fn(params, batch)
         return grads, metrics
