@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import pathlib
 import signal
 import tempfile
@@ -109,6 +108,10 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def with_extras(self, **extras) -> "Dataset":
+        """This split with per-token arrays attached (e.g. ref_logp: one tuple of [L] arrays per example)."""
+        return dataclasses.replace(self, extras={**self.extras, **extras})
 
     @property
     def num_examples(self) -> int:
@@ -338,9 +341,9 @@ def one_pass(dataset: Dataset, make_batches, **kwargs):
     return it, range(it.steps_per_epoch)
 
 
-def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> None:
-    """Label log-probs of the frozen reference model for every example of this host, stored in
-    dataset.extras['ref_logp'] (one [L] array per sequence), from where the batches carry them."""
+def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> list:
+    """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
+    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist."""
     from tqdm.auto import tqdm
     import jax
 
@@ -356,7 +359,7 @@ def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding
             if i >= 0:
                 refs[i] = tuple(logp_BPT[lo + row, p, :len(seq)] if padding_side == "right"
                                 else logp_BPT[lo + row, p, T - len(seq):] for p, seq in enumerate(dataset.examples[i]))
-    dataset.extras["ref_logp"] = refs
+    return refs
 
 
 def make_eval_fn(config, state, mesh, spec):
@@ -450,245 +453,303 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
         return finished
     initialize_distributed()
     with contextlib.ExitStack() as mesh_scope:
-        return _run(config, workdir, rundir.make_mesh(config.mesh.shape), mesh_scope, accept_config_change)
+        trainer = Trainer(config, workdir, rundir.make_mesh(config.mesh.shape))
+        trainer.setup(mesh_scope, accept_config_change=accept_config_change)
+        trainer.resume()
+        trainer.loop()
+        return trainer.finish()
 
 
-def _run(config: ml_collections.ConfigDict, workdir, mesh, mesh_scope: contextlib.ExitStack,
-         accept_config_change: bool = False) -> dict:
-    import jax
-    from sweet_jax import checkpoint, metrics as metrics_lib, steps
-    from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
+class Trainer:
+    """One training run: setup (record the run, data, model, steps, reference log-probs, batches), resume (the
+    latest readable checkpoint), loop (steps, evals, saves, SIGTERM / Ctrl-C), finish (summary, curves)."""
 
-    from etils import epath
-    workdir = epath.Path(workdir)
-    is_main = jax.process_index() == 0
-    if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    for field in ("batch_size", "micro_batch_size"):
-        size = config.train[field]
-        if size and size % batch_devices:
-            raise TrainConfigError(
-                f"config.train.{field}={size} is not a multiple of the batch-sharded devices "
-                f"(mesh data x fsdp = {batch_devices}); set it to a multiple of {batch_devices}")
-    changes = rundir.write_config(config, workdir, accept_change=accept_config_change, write=is_main)
-    if changes:
-        log.warning("config changed on this rerun (recorded in %s): %s", rundir.CONFIG_CHANGES,
-                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
-    if is_main:
-        rundir.record_invocation(workdir, accepted_config_changes=[field for field, _, _ in changes])
-    log.info("mesh %s over %d devices (%s), %d process(es); host allocator: %s", dict(mesh.shape),
-             jax.device_count(), jax.devices()[0].device_kind, jax.process_count(), host_malloc.active())
+    def __init__(self, config: ml_collections.ConfigDict, workdir, mesh):
+        import jax
+        from etils import epath
 
-    # ---- tokenizer and data: this host renders only its slice; the batches are the same for any host count
-    tokenizer = load_tokenizer(tokenizer_path(config))
-    batch_sh = steps.batch_sharding(mesh)
-    data_index, data_count = data_shard(batch_sh, config.train.batch_size)
-    train_set, eval_set = build_datasets(config, tokenizer, process_index=data_index, process_count=data_count)
-    for dataset in (train_set, eval_set):
-        dataset.gather_lengths()
-    if not train_set.num_examples:
-        raise TrainConfigError(f"no training example fits data.max_len={config.data.max_len} "
-                               f"(data.length_policy={config.data.length_policy!r}): raise --config.data.max_len")
-    log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks); this host renders "
-             "slice %d of %d", train_set.num_examples, train_set.tasks, eval_set.num_examples, eval_set.tasks,
-             data_index, data_count)
+        self.config, self.mesh = config, mesh
+        self.workdir = epath.Path(workdir)
+        self.is_main = jax.process_index() == 0
+        self.kind = config.loss.kind
 
-    def make_batches(dataset: Dataset, **kwargs):  # -> data.batching.BatchIterator
-        return dataset.batches(config, pad_id=pad_id(tokenizer), process_index=data_index,
-                               process_count=data_count, **kwargs)
-    batches = make_batches(train_set)
-    total_steps = config.train.num_steps if config.train.num_steps > 0 else config.train.epochs * batches.steps_per_epoch
+    # ------------------------------------------------------------------------------------------------------
+    def setup(self, mesh_scope: contextlib.ExitStack, *, accept_config_change: bool = False) -> None:
+        import jax
+        from sweet_jax import steps
+        from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
 
-    # ---- model, optimiser, train state
-    llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
-    check_vocab(llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
-                where=f"the tokenizer {tokenizer_path(config)}")
-    model = build_model(config, llama_config, mesh)
-    optimizer, lr_schedule = steps.optimizer_from_config(config.optim, total_steps)
-    state = steps.create_train_state(model, optimizer, mesh)
-    del model
-    # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
-    # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
-    mesh_scope.enter_context(jax.set_mesh(mesh))
-    kind = config.loss.kind
-    spec = steps.LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind,
-                          beta=config.loss.beta, advantage_norm=config.loss.advantage_norm,
-                          nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing,
-                          nll_scope=config.loss.get("nll_scope", "reply"))
-    common = dict(micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
-                  ref_in_step=config.train.ref_logp == "in_step" and spec.needs_ref)
-    if kind == "critic":
-        train_step = steps.make_critic_step(state, optimizer, mesh, beta=config.loss.beta,
-                                            advantage_norm=config.loss.advantage_norm, **common)
-    else:
-        train_step = steps.make_policy_step(state, optimizer, mesh, kind=kind, beta=config.loss.beta,
-                                            nll_coef=config.loss.nll_coef, nll_scope=spec.nll_scope,
-                                            label_smoothing=config.loss.label_smoothing, **common)
-    eval_fn = make_eval_fn(config, state, mesh, spec)
+        config, mesh, workdir = self.config, self.mesh, self.workdir
+        if self.is_main:
+            workdir.mkdir(parents=True, exist_ok=True)
+        batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+        for field in ("batch_size", "micro_batch_size"):
+            size = config.train[field]
+            if size and size % batch_devices:
+                raise TrainConfigError(
+                    f"config.train.{field}={size} is not a multiple of the batch-sharded devices "
+                    f"(mesh data x fsdp = {batch_devices}); set it to a multiple of {batch_devices}")
+        changes = rundir.write_config(config, workdir, accept_change=accept_config_change, write=self.is_main)
+        if changes:
+            log.warning("config changed on this rerun (recorded in %s): %s", rundir.CONFIG_CHANGES,
+                        "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
+        if self.is_main:
+            rundir.record_invocation(workdir, accepted_config_changes=[field for field, _, _ in changes])
+        log.info("mesh %s over %d devices (%s), %d process(es); host allocator: %s", dict(mesh.shape),
+                 jax.device_count(), jax.devices()[0].device_kind, jax.process_count(), host_malloc.active())
 
-    # ---- reference log-probs: the initial (= reference) parameters, before any update
-    ref_params = None
-    if spec.needs_ref:
-        if config.train.ref_logp == "precompute":
-            ref_fn = steps.make_ref_logp_fn(state.graphdef, steps.shardings_of(state.params), mesh, rest=state.rest)
-            for dataset in (train_set, eval_set):  # the batches carry dataset.extras['ref_logp'] from now on
-                if dataset.num_examples:
-                    reference_pass(ref_fn, state.params, dataset, make_batches, batch_sh, config.data.padding_side)
+        # Tokenizer and data: this host renders only its slice; the batches are the same for any host count.
+        tokenizer = load_tokenizer(tokenizer_path(config))
+        self.batch_sh = steps.batch_sharding(mesh)
+        data_index, data_count = data_shard(self.batch_sh, config.train.batch_size)
+        train_set, eval_set = build_datasets(config, tokenizer, process_index=data_index, process_count=data_count)
+        for dataset in (train_set, eval_set):
+            dataset.gather_lengths()
+        if not train_set.num_examples:
+            raise TrainConfigError(f"no training example fits data.max_len={config.data.max_len} "
+                                   f"(data.length_policy={config.data.length_policy!r}): raise --config.data.max_len")
+        log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks); this host renders "
+                 "slice %d of %d", train_set.num_examples, train_set.tasks, eval_set.num_examples, eval_set.tasks,
+                 data_index, data_count)
+
+        def make_batches(dataset: Dataset, **kwargs):  # -> data.batching.BatchIterator
+            return dataset.batches(config, pad_id=pad_id(tokenizer), process_index=data_index,
+                                   process_count=data_count, **kwargs)
+        self.make_batches = make_batches
+        steps_per_epoch = make_batches(train_set).steps_per_epoch
+        self.total_steps = (config.train.num_steps if config.train.num_steps > 0
+                            else config.train.epochs * steps_per_epoch)
+
+        # Model, optimiser, train state, the step functions.
+        self.llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        check_vocab(self.llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
+                    where=f"the tokenizer {tokenizer_path(config)}")
+        model = build_model(config, self.llama_config, mesh)
+        optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
+        self.state = steps.create_train_state(model, optimizer, mesh)
+        del model
+        # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
+        # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
+        mesh_scope.enter_context(jax.set_mesh(mesh))
+        kind = self.kind
+        self.spec = spec = steps.LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind,
+                                          beta=config.loss.beta, advantage_norm=config.loss.advantage_norm,
+                                          nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing,
+                                          nll_scope=config.loss.get("nll_scope", "reply"))
+        common = dict(micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
+                      ref_in_step=config.train.ref_logp == "in_step" and spec.needs_ref)
+        if kind == "critic":
+            self.train_step = steps.make_critic_step(self.state, optimizer, mesh, beta=config.loss.beta,
+                                                     advantage_norm=config.loss.advantage_norm, **common)
         else:
-            ref_params = jax.tree.map(lambda x: x.copy(), state.params)  # a frozen copy: state is donated
+            self.train_step = steps.make_policy_step(self.state, optimizer, mesh, kind=kind, beta=config.loss.beta,
+                                                     nll_coef=config.loss.nll_coef, nll_scope=spec.nll_scope,
+                                                     label_smoothing=config.loss.label_smoothing, **common)
+        self.eval_fn = make_eval_fn(config, self.state, mesh, spec)
 
-    # ---- resume
-    ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=config.train.keep_ckpts)
-    rng = jax.random.key(config.train.seed)
-    step = 0
-    restored = ckpt.restore({"params": checkpoint.abstract_like(state.params),
-                             "opt_state": checkpoint.abstract_like(state.opt_state)})
-    if restored is not None:
-        step, items, meta = restored
-        state = state.replace(params=items["params"], opt_state=items["opt_state"],
-                              step=jax.device_put(np.int32(step), state.step.sharding))
-        batches.restore(meta["data"])
-        rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
-        log.info("resumed from step %d of %s", step, workdir / CHECKPOINT_DIR)
+        # Reference log-probs of the initial (= reference) parameters, attached to the examples before the
+        # batches are built; or a frozen copy of the parameters for in_step.
+        self.ref_params = None
+        if spec.needs_ref:
+            if config.train.ref_logp == "precompute":
+                ref_fn = steps.make_ref_logp_fn(self.state.graphdef, steps.shardings_of(self.state.params), mesh,
+                                                rest=self.state.rest)
+                train_set, eval_set = (
+                    dataset.with_extras(ref_logp=reference_pass(ref_fn, self.state.params, dataset, make_batches,
+                                                                self.batch_sh, config.data.padding_side))
+                    if dataset.num_examples else dataset for dataset in (train_set, eval_set))
+            else:
+                self.ref_params = jax.tree.map(lambda x: x.copy(), self.state.params)  # state is donated
+        self.train_set, self.eval_set = train_set, eval_set
+        self.batches = make_batches(train_set)
 
-    all_finite = jax.jit(lambda tree: jax.numpy.all(jax.numpy.stack(
-        [jax.numpy.all(jax.numpy.isfinite(x)) for x in jax.tree.leaves(tree)])))
+    # ------------------------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """The latest readable checkpoint's parameters, optimiser state, data position and RNG, if any; then the
+        metrics log from that step on (local, mirrored into a remote workdir at saves and at the end)."""
+        import jax
+        from sweet_jax import checkpoint, metrics as metrics_lib
 
-    def save(at_step: int, *, wait: bool = False):
-        if not bool(all_finite(state.params)):  # a finite loss can hide inf/NaN weights: never save those
-            ckpt.wait()
-            good = ckpt.latest_step()
+        workdir = self.workdir
+        self.ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=self.config.train.keep_ckpts)
+        self.rng = jax.random.key(self.config.train.seed)
+        self.step = 0
+        self.restored = self.ckpt.restore({"params": checkpoint.abstract_like(self.state.params),
+                                           "opt_state": checkpoint.abstract_like(self.state.opt_state)})
+        if self.restored is not None:
+            self.step, items, meta = self.restored
+            self.state = self.state.replace(params=items["params"], opt_state=items["opt_state"],
+                                            step=jax.device_put(np.int32(self.step), self.state.step.sharding))
+            self.batches.restore(meta["data"])
+            self.rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
+            log.info("resumed from step %d of %s", self.step, workdir / CHECKPOINT_DIR)
+
+        self.remote = "://" in str(workdir)
+        self.logdir = (pathlib.Path(tempfile.gettempdir()) / "sweet_jax_logs" / workdir.name if self.remote
+                       else pathlib.Path(str(workdir)))
+        if self.remote and self.is_main:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            if (workdir / "metrics.jsonl").exists():
+                (self.logdir / "metrics.jsonl").write_text((workdir / "metrics.jsonl").read_text())
+        self.writer = metrics_lib.MetricsWriter(self.logdir, resume_step=self.step)
+        self.peak_flops, self.peak_desc = metrics_lib.peak_flops_total(jax.devices())
+        log.info("MFU peak: %s", self.peak_desc)
+        self.all_finite = jax.jit(lambda tree: jax.numpy.all(jax.numpy.stack(
+            [jax.numpy.all(jax.numpy.isfinite(x)) for x in jax.tree.leaves(tree)])))
+
+    def save(self, at_step: int, *, wait: bool = False) -> None:
+        import jax
+        if not bool(self.all_finite(self.state.params)):  # a finite loss can hide inf/NaN weights: never save those
+            self.ckpt.wait()
+            good = self.ckpt.latest_step()
             raise NanLossError(f"parameters hold inf/NaN after step {at_step}; not saved. The last good checkpoint "
-                               f"is {'step %d' % good if good is not None else 'none (no earlier save)'} in {workdir / CHECKPOINT_DIR}: lower --config.optim.lr, "
-                               "then rerun with the same --workdir to resume from it")
-        ckpt.save(at_step, {"params": state.params, "opt_state": state.opt_state},
-                  {"data": batches.state(), "rng": np.asarray(jax.random.key_data(rng)).tolist(),
-                   "total_steps": total_steps, "loss_kind": kind}, wait=wait)
+                               f"is {'step %d' % good if good is not None else 'none (no earlier save)'} in "
+                               f"{self.workdir / CHECKPOINT_DIR}: lower --config.optim.lr, then rerun with the same "
+                               "--workdir to resume from it")
+        self.ckpt.save(at_step, {"params": self.state.params, "opt_state": self.state.opt_state},
+                       {"data": self.batches.state(), "rng": np.asarray(jax.random.key_data(self.rng)).tolist(),
+                        "total_steps": self.total_steps, "loss_kind": self.kind}, wait=wait)
 
-    # ---- metrics: written to a local directory (the workdir itself unless it is remote, e.g. gs://),
-    # mirrored into the workdir at every checkpoint and at the end.
-    remote = "://" in str(workdir)
-    logdir = pathlib.Path(tempfile.gettempdir()) / "sweet_jax_logs" / workdir.name if remote else pathlib.Path(str(workdir))
-    if remote and is_main:
-        logdir.mkdir(parents=True, exist_ok=True)
-        if (workdir / "metrics.jsonl").exists():
-            (logdir / "metrics.jsonl").write_text((workdir / "metrics.jsonl").read_text())
-    writer = metrics_lib.MetricsWriter(logdir, resume_step=step)
-
-    def sync_logs():
-        if is_main and remote:
-            for f in logdir.rglob("*"):
+    def sync_logs(self) -> None:
+        if self.is_main and self.remote:
+            for f in self.logdir.rglob("*"):
                 if f.is_file():
-                    dst = workdir / f.relative_to(logdir)
+                    dst = self.workdir / f.relative_to(self.logdir)
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     dst.write_bytes(f.read_bytes())
-    peak_flops, peak_desc = metrics_lib.peak_flops_total(jax.devices())
-    log.info("MFU peak: %s", peak_desc)
-    flops_factor = 4.0 / 3.0 if config.train.ref_logp == "in_step" and spec.needs_ref else 1.0
 
-    # SIGTERM (TPU preemption): finish the step, save, exit. With several processes they must agree on the
-    # step to save at: JAX's preemption sync point (the distributed runtime catches SIGTERM itself).
-    # Ctrl-C (SIGINT) the same way in one process: the step finishes and is saved, not lost with a traceback.
-    preempted: list[int] = []
-    previous_handlers = {}
-    if jax.process_count() == 1:  # several processes: JAX's preemption notifier owns SIGTERM
-        def on_signal(signum, _frame):
-            if preempted and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
-            preempted.append(signum)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous_handlers[signum] = signal.signal(signum, on_signal)
+    def run_eval(self, at_step: int) -> None:
+        if self.eval_set.num_examples:
+            self.last_eval = rename_metrics(evaluate(self.eval_fn, self.state.params, self.eval_set, self.make_batches,
+                                                     self.batch_sh, self.ref_params))
+            self.writer.write(at_step, self.last_eval, split="eval")
+            log.info("eval at step %d: %s", at_step, {k: round(v, 4) for k, v in self.last_eval.items()})
 
-    def preemption_requested(at_step: int) -> bool:
-        if jax.process_count() > 1:
+    # ------------------------------------------------------------------------------------------------------
+    def loop(self) -> None:
+        """Train to total_steps: a metrics line per step, evals and saves as configured; SIGTERM (TPU preemption)
+        or Ctrl-C finishes the step, saves it and raises Preempted."""
+        import jax
+        from tqdm.auto import tqdm
+
+        config = self.config
+        self.history: list[dict] = []
+        self.last_eval: dict = {}
+        signals = _StopSignals()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.kind}", unit="step",
+                   disable=not self.is_main)
+        try:
+            if self.restored is None and config.train.eval_every > 0:
+                self.run_eval(0)
+            while self.step < self.total_steps:
+                m = self.train_one_step()
+                step = self.step
+                if step % config.train.log_every == 0 or step == self.total_steps:
+                    self.writer.write(step, m)
+                bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('pair_accuracy', float('nan')):.2f}",
+                                tok_s=f"{m['tokens_per_s']:.0f}")
+                bar.update(1)
+                if config.train.eval_every > 0 and step % config.train.eval_every == 0 and step < self.total_steps:
+                    self.run_eval(step)
+                if config.train.ckpt_every > 0 and step % config.train.ckpt_every == 0 and step < self.total_steps:
+                    self.save(step)
+                    self.sync_logs()
+                if signals.requested(step):
+                    self.save(step, wait=True)
+                    raise Preempted(step, signals.signum)
+            bar.close()
+            self.run_eval(self.step)
+            if self.restored is None or self.restored[0] < self.total_steps:
+                self.save(self.step, wait=True)
+        except Preempted as e:
+            log.warning("%s (checkpoints in %s)", e, self.workdir / CHECKPOINT_DIR)
+            raise
+        finally:
+            bar.close()  # before any error message, so the message is the last line
+            signals.restore()
+            self.ckpt.close()  # waits for saves in flight, on every way out (NaN, preemption, errors)
+            self.writer.close()
+            self.sync_logs()
+
+    def train_one_step(self) -> dict:
+        """One optimiser step on the next batch; its metrics (throughput and MFU added)."""
+        import jax
+        host_batch = next(self.batches)
+        batch = to_global(host_batch, self.batch_sh)
+        self.rng, _ = jax.random.split(self.rng)
+        t0 = time.perf_counter()
+        args = (self.state, batch) + ((self.ref_params,) if self.ref_params is not None else ())
+        self.state, m = self.train_step(*args)
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        if not math.isfinite(m["loss"]):
+            raise NanLossError(nan_message(self.ckpt, self.step, m, self.workdir))
+        T = host_batch["input_ids"].shape[-1]
+        tokens = m.pop("num_tokens")
+        flops_factor = 4.0 / 3.0 if self.ref_params is not None else 1.0  # in_step: one more forward
+        m["tokens_per_s"] = tokens / seconds
+        m["mfu"] = flops_factor * self.llama_config.flops_per_token(T) * tokens / seconds / self.peak_flops
+        m["step_seconds"] = seconds
+        m["seq_len"] = T
+        m = rename_metrics(m)
+        self.history.append(m)
+        return m
+
+    # ------------------------------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """summary.json and curves.png; the summary."""
+        from sweet_jax import metrics as metrics_lib
+
+        summary = {"steps": self.step, "total_steps": self.total_steps, "train_examples": self.train_set.num_examples,
+                   "eval_examples": self.eval_set.num_examples, "eval": self.last_eval, "peak_flops": self.peak_flops,
+                   "peak": self.peak_desc}
+        timed = self.history[1:] or self.history   # the first step of a run includes compilation
+        if timed:
+            summary["tokens_per_s"] = float(np.median([h["tokens_per_s"] for h in timed]))
+            summary["mfu"] = float(np.median([h["mfu"] for h in timed]))
+        if self.is_main:
+            metrics_lib.plot_curves(self.logdir / "metrics.jsonl", self.logdir / "curves.png",
+                                    title=stage_title(self.config, self.workdir, self.step))
+            summary["plot"] = str(self.workdir / "curves.png")
+            (self.logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.sync_logs()
+            log.info("done: %s", json.dumps(summary))
+        return summary
+
+
+class _StopSignals:
+    """SIGTERM (TPU preemption) and, in one process, Ctrl-C: the current step finishes and is saved. With several
+    processes they must agree on the step to save at: JAX's preemption sync point (the distributed runtime
+    catches SIGTERM itself). A second Ctrl-C stops at once, without the save."""
+
+    def __init__(self):
+        import jax
+        self.received: list[int] = []
+        self.previous = {}
+        self.multi = jax.process_count() > 1
+        if not self.multi:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, _frame):
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received.append(signum)
+
+    @property
+    def signum(self) -> int:
+        return self.received[0] if self.received else signal.SIGTERM
+
+    def requested(self, at_step: int) -> bool:
+        if self.multi:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(at_step)
-        return bool(preempted)
+        return bool(self.received)
 
-    hang_after = int(os.environ.get("SWEET_JAX_TEST_HANG_AFTER_STEP", "0"))  # fault-injection for resume tests
-
-    from tqdm.auto import tqdm
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {kind}", unit="step", disable=not is_main)
-    history = []
-    last_eval: dict = {}
-
-    def run_eval(at_step):
-        nonlocal last_eval
-        if eval_set.num_examples:
-            last_eval = rename_metrics(evaluate(eval_fn, state.params, eval_set, make_batches, batch_sh, ref_params))
-            writer.write(at_step, last_eval, split="eval")
-            log.info("eval at step %d: %s", at_step, {k: round(v, 4) for k, v in last_eval.items()})
-
-    try:
-        if restored is None and config.train.eval_every > 0:
-            run_eval(0)
-        while step < total_steps:
-            host_batch = next(batches)
-            batch = to_global(host_batch, batch_sh)
-            rng, _ = jax.random.split(rng)
-            t0 = time.perf_counter()
-            args = (state, batch) + ((ref_params,) if ref_params is not None else ())
-            state, m = train_step(*args)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            seconds = time.perf_counter() - t0
-            step += 1
-            if not math.isfinite(m["loss"]):
-                raise NanLossError(nan_message(ckpt, step, m, workdir))
-            T = host_batch["input_ids"].shape[-1]
-            tokens = m.pop("num_tokens")
-            m["tokens_per_s"] = tokens / seconds
-            m["mfu"] = flops_factor * llama_config.flops_per_token(T) * tokens / seconds / peak_flops
-            m["step_seconds"] = seconds
-            m["seq_len"] = T
-            m = rename_metrics(m)
-            history.append(m)
-            if step % config.train.log_every == 0 or step == total_steps:
-                writer.write(step, m)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('pair_accuracy', float('nan')):.2f}",
-                            tok_s=f"{m['tokens_per_s']:.0f}")
-            bar.update(1)
-            if config.train.eval_every > 0 and step % config.train.eval_every == 0 and step < total_steps:
-                run_eval(step)
-            if config.train.ckpt_every > 0 and step % config.train.ckpt_every == 0 and step < total_steps:
-                save(step)
-                sync_logs()
-            if preemption_requested(step):
-                save(step, wait=True)
-                raise Preempted(step, preempted[0] if preempted else signal.SIGTERM)
-            if hang_after and step == hang_after:
-                ckpt.wait()
-                print(f"SWEET_JAX_TEST: hanging after step {step}", flush=True)
-                while True:
-                    time.sleep(1)
-        bar.close()
-        run_eval(step)
-        if restored is None or restored[0] < total_steps:
-            save(step, wait=True)
-    except Preempted as e:
-        log.warning("%s (checkpoints in %s)", e, workdir / CHECKPOINT_DIR)
-        raise
-    finally:
-        bar.close()  # before any error message, so the message is the last line
-        for signum, handler in previous_handlers.items():
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
             signal.signal(signum, handler)
-        ckpt.close()  # waits for saves in flight, on every way out (NaN, preemption, errors)
-        writer.close()
-        sync_logs()
-
-    summary = {"steps": step, "total_steps": total_steps, "train_examples": train_set.num_examples,
-               "eval_examples": eval_set.num_examples, "eval": last_eval, "peak_flops": peak_flops, "peak": peak_desc}
-    timed = history[1:] or history   # the first step of a run includes compilation
-    if timed:
-        summary["tokens_per_s"] = float(np.median([h["tokens_per_s"] for h in timed]))
-        summary["mfu"] = float(np.median([h["mfu"] for h in timed]))
-    if is_main:
-        metrics_lib.plot_curves(logdir / "metrics.jsonl", logdir / "curves.png", title=stage_title(config, workdir, step))
-        summary["plot"] = str(workdir / "curves.png")
-        (logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        sync_logs()
-        log.info("done: %s", json.dumps(summary))
-    return summary
 
 
 # ==========================================================================================================

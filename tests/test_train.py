@@ -161,13 +161,35 @@ def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
     assert summary["steps"] == STEPS and summary["eval_examples"] > 0
 
 
+# The fault injected by the resume test: `python -m sweet_jax.train` whose checkpoint saves complete before the
+# next step starts, and which hangs when step {step} is done (its saves durable) until it is killed.
+HANG_AFTER_STEP = """
+import runpy, sys, time
+from sweet_jax import checkpoint, steps
+save = checkpoint.Checkpointer.save
+checkpoint.Checkpointer.save = lambda self, *a, **k: save(self, *a, **dict(k, wait=True))
+make_critic_step = steps.make_critic_step
+def hanging_factory(*a, **k):
+    step_fn = make_critic_step(*a, **k)
+    def step(state, *rest):
+        if int(state.step) == {step}:
+            print("SWEET_JAX_TEST: hanging after step {step}", flush=True)
+            while True:
+                time.sleep(1)
+        return step_fn(state, *rest)
+    return step
+steps.make_critic_step = hanging_factory
+runpy.run_module("sweet_jax.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupted_run(straight_run, data, tmp_path):
     """Killed (SIGKILL) after step 5 with checkpoints 2 and 4 on disk; checkpoint 4 then truncated: the rerun
     warns, falls back to step 2 (not 0), and ends with the same losses and parameters as the straight run."""
     workdir = tmp_path / "killed"
-    proc = subprocess.Popen(train_args(workdir, data, "--config.data.eval_fraction=0.2"), cwd=REPO,
-                            env=env(SWEET_JAX_TEST_HANG_AFTER_STEP="5"), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    args = train_args(workdir, data, "--config.data.eval_fraction=0.2")
+    proc = subprocess.Popen([sys.executable, "-c", HANG_AFTER_STEP.format(step=5), *args[3:]], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline = time.time() + 600
         for line in proc.stdout:  # the run says it finished step 5 (its saves durable), then waits
