@@ -232,15 +232,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         batch["ref_logp"] = sds((B, P, T), jnp.float32)
 
     # Lower and compile
-    common = dict(micro_batch_size=micro, ref_in_step=ref_in_step,
-                  lr_schedule=steps.make_schedule(lr, 1000))
-    if kind == "critic":
-        step = steps.make_critic_step(state, optimizer, mesh, beta=config.loss.beta,
-                                      advantage_norm=config.loss.advantage_norm, **common)
-    else:
-        step = steps.make_policy_step(state, optimizer, mesh, kind=kind, beta=config.loss.beta,
-                                      nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing,
-                                      **common)
+    step = steps.make_step(steps.loss_spec(config.loss), state, optimizer, mesh, micro_batch_size=micro,
+                           ref_in_step=ref_in_step, lr_schedule=steps.make_schedule(lr, 1000))
     args = (state, batch) + ((state.params,) if ref_in_step and kind != "rft" else ())
     if verbose:
         print(f"compiling the {kind} step of a {mcfg.num_params() / 1e9:.2f}B-parameter Llama, batch {B}x{P}x{T}"

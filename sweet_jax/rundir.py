@@ -178,25 +178,10 @@ def tokenizer_path(config) -> str:
     return str(demo_paths().tokenizer)
 
 
-def initialize_distributed() -> None:
-    """jax.distributed.initialize when this is one process of several.
-
-    JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (any machines, CPU tests included) are
-    passed explicitly; TPU pod slices, SLURM and Open MPI are detected by sharding.initialize_distributed.
-    """
-    import jax
+def initialize_distributed() -> bool:
+    """sharding.initialize_distributed: jax.distributed when this is one process of several."""
     from sweet_jax import sharding
-
-    num = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    if num > 1:
-        if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
-            # CPU cross-process collectives need an implementation; gloo ships with jaxlib.
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=num,
-            process_id=int(os.environ["JAX_PROCESS_ID"]))
-    else:
-        sharding.initialize_distributed()
+    return sharding.initialize_distributed()
 
 
 def make_mesh(shape, *, field: str = "config.mesh.shape"):

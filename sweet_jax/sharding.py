@@ -139,9 +139,11 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Modul
     return model
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(logical_to_spec(["batch"])[0], *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, ndim: int | None = None) -> NamedSharding:
+    """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated. Without ndim the spec names the
+    leading dimension only: a prefix that fits a batch leaf of any rank."""
+    batch = logical_to_spec(["batch"])[0]
+    return NamedSharding(mesh, PartitionSpec(batch) if ndim is None else PartitionSpec(batch, *([None] * (ndim - 1))))
 
 
 def residual_sharding(*, sequence_parallel: bool, rules=LOGICAL_RULES) -> tuple:
@@ -191,12 +193,21 @@ def _path_keys(path) -> tuple:
 # ----------------------------------------------------------------------------------------------------------
 
 def initialize_distributed(**kwargs) -> bool:
-    """jax.distributed.initialize() when this looks like one process of several (TPU pod slice with
-    several hosts, an explicit coordinator, SLURM / Open MPI with >1 task); a no-op otherwise.
+    """jax.distributed.initialize() when this looks like one process of several (JAX_NUM_PROCESSES > 1 with
+    JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID, a TPU pod slice with several hosts, an explicit coordinator,
+    SLURM / Open MPI with >1 task); a no-op otherwise.
     Call before any other JAX work. Returns whether distributed mode was initialised."""
     if jax.distributed.is_initialized():
         return True
     env = os.environ
+    num = int(env.get("JAX_NUM_PROCESSES", "1") or 1)
+    if num > 1 and not kwargs:  # explicit: JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID (any machines)
+        if env.get("JAX_PLATFORMS", "").startswith("cpu"):
+            # CPU cross-process collectives need an implementation; gloo ships with jaxlib.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num,
+                                   process_id=int(env["JAX_PROCESS_ID"]))
+        return True
     multi_host_tpu = "," in env.get("TPU_WORKER_HOSTNAMES", "") or "MEGASCALE_COORDINATOR_ADDRESS" in env
     multi_task = any(int(env.get(k, "1") or 1) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
     if not (kwargs or multi_host_tpu or multi_task or "JAX_COORDINATOR_ADDRESS" in env):

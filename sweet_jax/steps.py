@@ -137,7 +137,8 @@ def shardings_of(tree):
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """Leading (example) dimension over ('data', 'fsdp'), the rest replicated; a prefix for any batch leaf."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    from sweet_jax import sharding
+    return sharding.batch_sharding(mesh)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,6 +347,32 @@ def _make_train_step(spec: LossSpec, state: TrainState, optimizer, mesh, *, micr
     in_sh = (state_sh, batch_sharding(mesh)) + ((state_sh.params,) if ref_in_step else ())
     out_sh = (state_sh, NamedSharding(mesh, PartitionSpec()))
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=0)
+
+
+def loss_spec(loss) -> LossSpec:
+    """The LossSpec of a training config's `loss` section (kind critic | dpo | mtdpo | rft), validated once:
+    what train, plan and the benchmarks build their steps from."""
+    kind = loss.kind
+    if kind != "critic" and kind not in POLICY_KINDS:
+        raise StepConfigError(f"loss.kind={kind!r} is not one of critic, {', '.join(POLICY_KINDS)}")
+    spec = LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind, beta=float(loss.beta),
+                    advantage_norm=loss.advantage_norm, nll_coef=float(loss.nll_coef),
+                    label_smoothing=float(loss.label_smoothing), nll_scope=loss.get("nll_scope", "reply"))
+    losses._check_norm(spec.advantage_norm)
+    if spec.nll_scope not in losses.NLL_SCOPES:
+        raise StepConfigError(f"loss.nll_scope={spec.nll_scope!r} is not one of {losses.NLL_SCOPES}")
+    return spec
+
+
+def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_batch_size: int = 0,
+              lr_schedule=None, ref_in_step: bool = False):
+    """The train step of a LossSpec: make_critic_step or make_policy_step with its hyper-parameters."""
+    common = dict(micro_batch_size=micro_batch_size, chunk_size=spec.chunk_size, lr_schedule=lr_schedule,
+                  ref_in_step=ref_in_step and spec.needs_ref)
+    if spec.kind == "critic":
+        return make_critic_step(state, optimizer, mesh, beta=spec.beta, advantage_norm=spec.advantage_norm, **common)
+    return make_policy_step(state, optimizer, mesh, kind=spec.kind, beta=spec.beta, nll_coef=spec.nll_coef,
+                            label_smoothing=spec.label_smoothing, nll_scope=spec.nll_scope, **common)
 
 
 def make_critic_step(state: TrainState, optimizer, mesh=None, *, beta: float = 0.1,

@@ -531,20 +531,10 @@ class Trainer:
         # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
         # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
         mesh_scope.enter_context(jax.set_mesh(mesh))
-        kind = self.kind
-        self.spec = spec = steps.LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind,
-                                          beta=config.loss.beta, advantage_norm=config.loss.advantage_norm,
-                                          nll_coef=config.loss.nll_coef, label_smoothing=config.loss.label_smoothing,
-                                          nll_scope=config.loss.get("nll_scope", "reply"))
-        common = dict(micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
-                      ref_in_step=config.train.ref_logp == "in_step" and spec.needs_ref)
-        if kind == "critic":
-            self.train_step = steps.make_critic_step(self.state, optimizer, mesh, beta=config.loss.beta,
-                                                     advantage_norm=config.loss.advantage_norm, **common)
-        else:
-            self.train_step = steps.make_policy_step(self.state, optimizer, mesh, kind=kind, beta=config.loss.beta,
-                                                     nll_coef=config.loss.nll_coef, nll_scope=spec.nll_scope,
-                                                     label_smoothing=config.loss.label_smoothing, **common)
+        self.spec = spec = steps.loss_spec(config.loss)
+        self.train_step = steps.make_step(spec, self.state, optimizer, mesh,
+                                          micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
+                                          ref_in_step=config.train.ref_logp == "in_step")
         self.eval_fn = make_eval_fn(config, self.state, mesh, spec)
 
         # Reference log-probs of the initial (= reference) parameters, attached to the examples before the
