@@ -600,7 +600,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="how long to collect a batch")
     args = parser.parse_args(argv)
 
-    mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
+    try:
+        mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
+    except ValueError:
+        raise SweetJaxError(f"--mesh {args.mesh!r}: expected three integers data,fsdp,tensor, e.g. 1,-1,1") from None
     sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
                                  max_batch_size=args.max_batch_size)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
