@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_split = "tasks"       # tasks (held out) | first_rows (official: the first rows, trained on too)
     c.data.padding_side = "right"     # right | left
     c.data.min_gap = 0.0              # critic pairs: minimum reward gap between chosen and rejected
+    c.data.pair_rule = "best_success"  # best_success (backend) | all_gaps (frontend: every pair >= min_gap apart)
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 8            # pairs per optimiser step (global, over all hosts)

@@ -79,7 +79,29 @@ class Run:
                                         degraded_ok=s.degraded_ok).__enter__()
         return self._evaluator
 
+    _frontend: Any = None
+
+    @property
+    def frontend(self) -> bool:
+        return self.config.get("track", "backend") == "frontend"
+
+    @property
+    def frontend_track(self):
+        """Browsers, the frontend simulator and the CLIP scorer (sweet_jax.envs.frontend), started once."""
+        if self._frontend is None:
+            from sweet_jax.envs.frontend import FrontendTrack
+            self._frontend = FrontendTrack(self.config.frontend, self.config.simulator, seed=self.config.seed)
+        return self._frontend
+
+    @property
+    def scorer(self):
+        """What scores answers: the sandbox (backend) or browser + CLIP (frontend)."""
+        return self.frontend_track.scorer if self.frontend else self.evaluator
+
     def close(self):
+        if self._frontend is not None:
+            self._frontend.close()
+            self._frontend = None
         if self._evaluator is not None:
             self._evaluator.__exit__(None, None, None)
             self._evaluator = None
@@ -146,11 +168,13 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
         rng = random.Random(t.seed)
         rng.shuffle(tasks)
         train, heldout = tasks[:t.num_train], tasks[t.num_train:]
-    elif t.source == "files":
-        from sweet_jax.data import load_tasks
-        if not t.train_path:
+    elif t.source in ("files", "frontend_files"):
+        from sweet_jax.data import demo_paths, load_tasks
+        if t.source == "frontend_files":
+            from sweet_jax.data.frontend import load_frontend_tasks as load_tasks
+        if not t.train_path and t.source == "files":
             raise PipelineError("config.tasks.source='files' needs --config.tasks.train_path (ColBench tasks JSONL)")
-        train = [x.to_json() for x in load_tasks(t.train_path)]
+        train = [x.to_json() for x in load_tasks(t.train_path or str(demo_paths().frontend_tasks))]
         if t.heldout_path:
             heldout = [x.to_json() for x in load_tasks(t.heldout_path)][:t.num_heldout or None]
         else:
@@ -160,7 +184,7 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
         if t.num_train:
             train = train[:t.num_train]
     else:
-        raise PipelineError(f"config.tasks.source={t.source!r}: use synthetic or files")
+        raise PipelineError(f"config.tasks.source={t.source!r}: use synthetic, files or frontend_files")
     if not train or not heldout:
         raise PipelineError(f"tasks: {len(train)} training and {len(heldout)} held-out tasks; both must be > 0 "
                             "(config.tasks.num_train / num_heldout / heldout_path)")
@@ -207,6 +231,8 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
     c.data.eval_fraction = stage.eval_fraction
     c.data.info_template = config.rank.info_template
     c.data.info_placement = config.rank.info_placement
+    c.data.pair_rule = config.collect.get("pair_rule", "best_success")
+    c.data.min_gap = config.collect.get("min_gap", 0.0)
     c.train.batch_size = stage.batch_size
     c.train.micro_batch_size = config.train.micro_batch_size
     c.train.num_steps = stage.num_steps
@@ -319,17 +345,22 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
             raise PipelineError(f"config.init.path={config.init.path!r} is not an HF checkpoint directory (no "
                                 "config.json); set it to the starting policy, e.g. Llama-3.1-8B-Instruct")
         return {"policy_hf": config.init.path, "kind": "path"}
-    if config.init.kind != "sft":
-        raise PipelineError(f"config.init.kind={config.init.kind!r}: use sft or path")
-    if config.tasks.source != "synthetic":
+    if config.init.kind not in ("sft", "random"):
+        raise PipelineError(f"config.init.kind={config.init.kind!r}: use sft, random or path")
+    if config.init.kind == "sft" and config.tasks.source != "synthetic":
         raise PipelineError("config.init.kind='sft' trains on scripted demonstrations of the synthetic task "
                             "family; with tasks.source='files' set init.kind='path' and init.path")
     import jax
     from flax import nnx
 
     from sweet_jax.data import synthetic
-    from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
     from sweet_jax.models import Llama, LlamaConfig, save_hf
+
+    if config.init.kind == "random":  # no demonstrations: the run shows the mechanics with an untrained policy
+        model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))
+        save_hf(model, d / "policy_hf", tokenizer_dir=tokenizer_dir(config))
+        return {"policy_hf": str(d / "policy_hf"), "kind": "random",
+                "parameters": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
 
     # Mixed-quality demonstrations through the real environment, scored by the sandbox, on tasks of their own
     # (init.num_tasks fresh tasks, none a training or held-out task): with many distinct tasks the tiny model
@@ -355,14 +386,7 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
         parameters = LlamaConfig.from_hf(json.loads((pathlib.Path(start) / "config.json").read_text())
                                          ).num_params()
     else:
-        tok = load_tokenizer(tokenizer_dir(config))
-        m = config.model
-        llama_config = LlamaConfig.tiny(
-            vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
-            eos_token_id=tuple(sorted(end_of_turn_ids(tok))))
-        model = Llama(llama_config, rngs=nnx.Rngs(config.init.seed))
+        model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))
         parameters = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
         save_hf(model, d / "random_hf", tokenizer_dir=tokenizer_dir(config))
         start = str(d / "random_hf")
@@ -378,6 +402,19 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
             "demo_tests_passed_pct": float(100 * rewards.mean()),
             "sft": {k: v for k, v in trained.items() if k != "hf"},
             "parameters": parameters}
+
+
+def _tiny_llama_config(config):
+    from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
+    from sweet_jax.models import LlamaConfig
+
+    tok = load_tokenizer(tokenizer_dir(config))
+    m = config.model
+    return LlamaConfig.tiny(
+        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
+        eos_token_id=tuple(sorted(end_of_turn_ids(tok))))
 
 
 # ==========================================================================================================
@@ -424,12 +461,16 @@ def make_simulator(config):
 def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, best_of: int, temperature: float,
          max_new_tokens: int, batch_size: int, max_turns: int, seed: int) -> dict:
     """Episodes of the policy in hf_dir on `tasks`, written to out (resumable), scored in the sandbox."""
-    from sweet_jax.envs import AGENT_PROMPT
-    from sweet_jax.rollout import SamplerPolicy, rollout
+    from sweet_jax.rollout import SamplerPolicy, agent_prompt_for, rollout
 
     sampler = load_sampler(run, hf_dir, seed=seed)
     policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
-                           system_prompt=AGENT_PROMPT if run.config.agent_prompt else None, seed=seed)
+                           system_prompt=agent_prompt_for(run.config), seed=seed)
+    if run.frontend:
+        from sweet_jax.envs.frontend import FrontendEnv
+        track = run.frontend_track
+        return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
+                       max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
     simulator = make_simulator(run.config)
     try:
         return rollout(tasks, policy, simulator, out, best_of=best_of, batch_size=batch_size, max_turns=max_turns,
@@ -450,7 +491,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
         trajs = [t.to_json() for t in load_trajectories(c.collect.trajectories)]
         unscored = [t for t in trajs if t.get("reward") is None]
         if unscored:
-            scores = run.evaluator.score_many([(t["task"], t["answer"]) for t in unscored])
+            scores = run.scorer.score_many([(t["task"], t["answer"]) for t in unscored])
             for t, s in zip(unscored, scores):
                 t["reward"] = float(s.reward) if s.status == "ok" else 0.0
         write_jsonl(out, trajs)
@@ -462,7 +503,12 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
              temperature=c.collect.temperature, max_new_tokens=c.collect.max_new_tokens,
              batch_size=c.collect.batch_size, max_turns=c.collect.max_turns, seed=c.seed + 100)
         trajs = _read_jsonl(collected)
-        if c.collect.scripted_per_task:
+        if c.collect.scripted_per_task and run.frontend:
+            from sweet_jax.envs.frontend import scripted_design_trajectories
+            scripted = scripted_design_trajectories(load_task_split(run, "train"), run.scorer, seed=c.seed + 1,
+                                                    per_task=c.collect.scripted_per_task)
+            trajs += [dict(t, scripted=True) for t in scripted]
+        elif c.collect.scripted_per_task:
             if c.tasks.source != "synthetic":
                 raise PipelineError("config.collect.scripted_per_task > 0 needs the synthetic tasks (their scripted "
                                     "agents); set it to 0 with tasks.source='files'")
@@ -475,8 +521,10 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
         from sweet_jax.rollout import summarize
         summary = dict(summarize([t for t in trajs if not t.get("scripted")]), scripted=len(trajs) - len(
             [t for t in trajs if not t.get("scripted")]))
-    from sweet_jax.data import critic_pairs, load_trajectories
-    pairs = critic_pairs(load_trajectories(out))
+    from sweet_jax.data import load_trajectories
+    from sweet_jax.data.pairs import trajectory_pairs
+    pairs = trajectory_pairs(load_trajectories(out), rule=c.collect.get("pair_rule", "best_success"),
+                             min_gap=c.collect.get("min_gap", 0.0))
     summary = dict(summary, trajectories=str(out), critic_pairs=len(pairs),
                    tasks_with_pairs=len({p.task_key for p in pairs}))
     if not pairs:
@@ -519,7 +567,7 @@ def ranked_prompts(run: Run, trajectories: str):
 
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
     from sweet_jax import rank
-    from sweet_jax.envs import AGENT_PROMPT
+    from sweet_jax.rollout import agent_prompt_for
     from tqdm import tqdm
 
     c = run.config
@@ -531,7 +579,7 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
         batch = prompts[start:start + per]
         cands = rank.sample_candidates(sampler, batch, n=c.rank.num_candidates, max_new_tokens=c.rank.max_new_tokens,
                                        temperature=c.rank.temperature, seed=c.seed * 1_000_003 + start,
-                                       system_prompt=AGENT_PROMPT if c.agent_prompt else None)
+                                       system_prompt=agent_prompt_for(c))
         for p, cand in zip(batch, cands):
             rows.append({"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": cand.texts,
                          "sampler_logp": [float(x) for x in cand.sampler_logp], "prompt_text": cand.prompt_text,
@@ -660,14 +708,24 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         model = f"tiny Llama (h{m.hidden_size}, {m.num_layers} layers), SFT start"
     elif c.init.path:
         model = pathlib.Path(c.init.path).name
+    task = {"synthetic": "synthetic lookup tasks", "frontend_files": "ColBench frontend design"}.get(
+        c.tasks.source, "ColBench backend")
     results = {
-        "preset": c.preset, "seed": c.seed, "task": "synthetic lookup tasks" if c.tasks.source == "synthetic"
-        else "ColBench backend", "model": model, "heldout_tasks": s["tasks"]["heldout"],
+        "preset": c.preset, "seed": c.seed, "task": task, "track": c.get("track", "backend"), "model": model,
+        "heldout_tasks": s["tasks"]["heldout"],
         "methods": {m: {k: s[f"eval_{m}"][k] for k in ("success_rate", "success_rate_pct", "tests_passed_pct",
                                                        "turns_per_episode", "episodes")} for m in methods},
         "diagnostics": diagnostics,
         "stages": {k: v for k, v in summaries.items() if isinstance(v, dict)},
     }
+    if run.frontend:  # mean CLIP cosine, and win rate against the zero-shot policy's answers to the same tasks
+        from sweet_jax.envs.frontend import frontend_evaluation
+        zero_shot = _read_jsonl(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
+        for m in methods:
+            e = frontend_evaluation(_read_jsonl(run.path("eval", m, "trajectories.jsonl")), zero_shot)
+            win = e.get("win_rate")
+            results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
+                                         win_rate_pct=100.0 * win if win is not None else float("nan"))
     (run.workdir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     title = f"{results['task']}, preset {c.preset}, seed {c.seed}"
     md, png = pipeline_report.write_report([results], run.workdir, title=title)

@@ -25,6 +25,12 @@ METHOD_NAMES = {
     "sweet": "SWEET-RL",
 }
 METRICS = (("tests_passed_pct", "% Tests Passed"), ("success_rate_pct", "Success Rate"))
+# The frontend track's (the paper's Table 1, right half): CLIP cosine x 100 and win rate against zero-shot.
+FRONTEND_METRICS = (("cosine_pct", "Cosine Similarity (x100)"), ("win_rate_pct", "Win Rate vs Zero-Shot (%)"))
+
+
+def metrics_of(runs: Sequence[dict]):
+    return FRONTEND_METRICS if runs[0].get("track") == "frontend" else METRICS
 
 
 class ReportError(SweetJaxError):
@@ -61,10 +67,10 @@ def results_table(runs: Sequence[dict], *, title: str = "") -> str:
         lines += [f"### {title}", ""]
     lines += [f"Held-out tasks: {runs[0].get('heldout_tasks')} ({episodes} episodes per method and run); "
               f"seeds: {', '.join(str(s) for s in seeds)}" + ("; mean ± std over seeds." if len(runs) > 1 else "."),
-              "", f"| {model} | " + " | ".join(name for _, name in METRICS) + " |",
-              "|---|" + "---|" * len(METRICS)]
+              "", f"| {model} | " + " | ".join(name for _, name in metrics_of(runs)) + " |",
+              "|---|" + "---|" * len(metrics_of(runs))]
     for m in methods:
-        cells = [_cell([r["methods"][m][key] for r in runs if m in r["methods"]]) for key, _ in METRICS]
+        cells = [_cell([r["methods"][m][key] for r in runs if m in r["methods"]]) for key, _ in metrics_of(runs)]
         lines.append(f"| {METHOD_NAMES[m]} | " + " | ".join(cells) + " |")
     diag = _diagnostics(runs)
     if diag:
@@ -113,7 +119,7 @@ def bar_chart(runs: Sequence[dict], png_path, *, title: str = "") -> pathlib.Pat
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(methods)), 4.0))
     width = 0.38
     x = np.arange(len(methods))
-    for k, (key, name) in enumerate(METRICS):
+    for k, (key, name) in enumerate(metrics_of(runs)):
         values = [[r["methods"][m][key] for r in runs if m in r["methods"]] for m in methods]
         means = [float(np.mean(v)) for v in values]
         errs = [float(np.std(v)) if len(v) > 1 else 0.0 for v in values]

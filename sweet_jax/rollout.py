@@ -220,6 +220,7 @@ def summarize(records: Sequence[dict], *, failed: int = 0) -> dict:
         "failed_episodes": failed,
         "success_rate": float(np.mean(rewards == 1.0)) if rewards.size else None,
         "tests_passed_pct": float(100.0 * rewards.mean()) if rewards.size else None,
+        "mean_reward": float(rewards.mean()) if rewards.size else None,   # frontend: the mean CLIP cosine
         "turns_per_episode": float(turns.mean()) if turns.size else None,
     }
 
@@ -230,10 +231,11 @@ def summarize(records: Sequence[dict], *, failed: int = 0) -> dict:
 
 def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, best_of: int = 1,
             batch_size: int = 16, max_turns: int = 10, evaluator=None, progress: bool = True,
-            on_batch: Callable[[int], None] | None = None) -> dict:
+            on_batch: Callable[[int], None] | None = None, make_env: Callable[..., Any] = ColBenchEnv) -> dict:
     """Play len(tasks) x best_of episodes, append them to out_path batch by batch, return the summary.
 
-    evaluator: a sweet_jax.sandbox.Evaluator (rewards), or None to leave `reward` out.
+    evaluator: a sweet_jax.sandbox.Evaluator (rewards), or None to leave `reward` out; for the frontend track
+    an envs.frontend.FrontendScorer. make_env: the environment class (ColBenchEnv, envs.frontend.FrontendEnv).
     on_batch: called with the number of records written after each batch (progress hooks, tests).
     """
     out = pathlib.Path(out_path)
@@ -259,7 +261,7 @@ def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, bes
         bar = tqdm(total=total, initial=total - len(todo), desc="rollout", unit="episode")
     failed = 0
     for start in range(0, len(todo), batch_size):
-        episodes = [Episode(i, s, ColBenchEnv(tasks[i], max_turns=max_turns)) for i, s in todo[start:start + batch_size]]
+        episodes = [Episode(i, s, make_env(tasks[i], max_turns=max_turns)) for i, s in todo[start:start + batch_size]]
         run_episodes(episodes, policy, simulator)
         finished = [e for e in episodes if e.failure is None]
         scores = evaluator.score_many([(e.env.task, e.env.answer) for e in finished]) if evaluator else None
@@ -299,12 +301,12 @@ def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, bes
 # Building the pieces from a config
 # ----------------------------------------------------------------------------------------------------------
 
-def load_task_list(path: str, num_tasks: int) -> list[Any]:
-    from sweet_jax.data import demo, schema
+def load_task_list(path: str, num_tasks: int, *, frontend: bool = False) -> list[Any]:
+    from sweet_jax.data import demo, frontend as frontend_data, schema
 
     if not path:
-        path = str(demo.paths().tasks)
-    tasks = schema.load_tasks(path)
+        path = str(demo.paths().frontend_tasks if frontend else demo.paths().tasks)
+    tasks = frontend_data.load_frontend_tasks(path) if frontend else schema.load_tasks(path)
     if num_tasks and num_tasks > 0:
         tasks = tasks[:num_tasks]
     if not tasks:
@@ -333,25 +335,29 @@ def make_simulator(config, policy_sampler=None) -> Simulator:
 
 
 def run(config) -> dict:
-    from sweet_jax.envs.prompts import load_prompt
-
-    tasks = load_task_list(config.tasks, config.num_tasks)
+    frontend = config.get("track", "backend") == "frontend"
+    tasks = load_task_list(config.tasks, config.num_tasks, frontend=frontend)
     if config.get("layout", "by_task") not in ("by_task", "official"):
         raise RolloutError(f"layout={config.layout!r}: use by_task or official (the official block layout)")
-    agent_prompt = AGENT_PROMPT if config.agent_prompt else None
-    if config.get("agent_prompt_path"):
-        agent_prompt = load_prompt(config.agent_prompt_path, "agent")
     mesh = rundir.make_mesh(config.mesh.shape)
     sampler = rundir.load_sampler(config.policy.path, config.policy.tokenizer, dtype=config.policy.dtype,
                                   seed=config.seed, mesh=mesh, max_batch_size=config.max_batch_size)
     policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
                            temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-                           top_k=config.sampling.top_k, system_prompt=agent_prompt,
-                           seed=config.seed)
+                           top_k=config.sampling.top_k, system_prompt=agent_prompt_for(config), seed=config.seed)
+    if frontend:  # browsers + CLIP score the answers, the simulator compares pages (sweet_jax.envs.frontend)
+        from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack
+
+        track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
+        try:
+            summary = rollout(tasks, policy, track.simulator, write_config(config), best_of=config.best_of,
+                              batch_size=config.batch_size, max_turns=config.max_turns, evaluator=track.scorer,
+                              progress=config.progress, make_env=FrontendEnv)
+        finally:
+            track.close()
+        return summary
     simulator = make_simulator(config, sampler)
-    out = pathlib.Path(config.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (out.with_name(out.name + ".config.json")).write_text(config.to_json_best_effort(indent=2) + "\n")
+    out = write_config(config)
     evaluator = None
     try:
         if config.sandbox.enabled:
@@ -373,10 +379,37 @@ def run(config) -> dict:
     return summary
 
 
+def agent_prompt_for(config) -> str | None:
+    """The agent's system prompt: agent_prompt_path's file when set, else the track's rules (or none)."""
+    if config.get("agent_prompt_path"):
+        from sweet_jax.envs.prompts import load_prompt
+        return load_prompt(config.agent_prompt_path, "agent")
+    if not config.agent_prompt:
+        return None
+    if config.get("track", "backend") == "frontend":
+        from sweet_jax.envs.frontend import FRONTEND_AGENT_PROMPT
+        return FRONTEND_AGENT_PROMPT
+    return AGENT_PROMPT
+
+
+def write_config(config) -> pathlib.Path:
+    """The output path, with the resolved config written beside it."""
+    out = pathlib.Path(config.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.with_name(out.name + ".config.json")).write_text(config.to_json_best_effort(indent=2) + "\n")
+    return out
+
+
 def format_summary(summary: dict, out) -> str:
     pct = lambda x: "n/a" if x is None else f"{x:.1f}%"
     rate = summary["success_rate"]
     turns = summary["turns_per_episode"]
+    if summary.get("track") == "frontend":
+        cosine = summary.get("mean_reward")
+        return (f"{out}: {summary['episodes']} episodes ({summary['failed_episodes']} failed this run, see "
+                f"{failures_path(pathlib.Path(out)).name})\n"
+                f"  mean CLIP cosine  {'n/a' if cosine is None else f'{cosine:.4f}'}\n"
+                f"  turns per episode {'n/a' if turns is None else f'{turns:.2f}'}")
     return (f"{out}: {summary['episodes']} episodes ({summary['failed_episodes']} failed this run, see "
             f"{failures_path(pathlib.Path(out)).name})\n"
             f"  success rate      {pct(None if rate is None else 100 * rate)}\n"
@@ -389,7 +422,7 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    summary = run(config)
+    summary = dict(run(config), track=config.get("track", "backend"))
     print(format_summary(summary, config.output), flush=True)
 
 

@@ -193,8 +193,10 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
         raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point it at a non-empty "
                                "ColBench trajectories JSONL")
     def listing(trajs):  # critic / mtdpo: trajectory pairs; rft: the successful trajectories
-        return pairs_lib.critic_pairs(trajs, min_gap=config.data.min_gap) if kind in ("critic", "mtdpo") \
-            else pairs_lib.rft_examples(trajs)
+        if kind in ("critic", "mtdpo"):
+            return pairs_lib.trajectory_pairs(trajs, rule=config.data.get("pair_rule", "best_success"),
+                                              min_gap=config.data.min_gap)
+        return pairs_lib.rft_examples(trajs)
 
     if config.data.get("eval_split", "tasks") == "first_rows":
         everything = listing(trajectories)

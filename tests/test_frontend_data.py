@@ -62,3 +62,33 @@ def test_extract_html_finds_what_the_regex_finds(reply, expected):
     regex = re.search(r"<html.*?>.*?</html>", reply, re.DOTALL) or re.search(r"<body.*?>.*?</body>", reply, re.DOTALL)
     assert (regex.group(0) if regex else None) == expected
 
+
+
+def test_frontend_pairs_take_every_two_episodes_at_least_the_gap_apart():
+    from sweet_jax.data.pairs import trajectory_pairs
+    from sweet_jax.data.schema import Trajectory
+
+    task = {"problem_description": "p", "ground_truth": "<p>x</p>"}
+    other = {"problem_description": "q", "ground_truth": "<p>y</p>"}
+    rows = [(task, 0.9), (task, 0.85), (task, 0.7), (other, 0.95), (task, 0.5), (other, 0.2)]
+    trajectories = [Trajectory.from_json({"task": t, "dialogue_history": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<p>x</p>"}],
+                                          "answer": "", "reward": r}) for t, r in rows]
+    pairs = trajectory_pairs(trajectories, rule="all_gaps", min_gap=0.1)
+    got = sorted((p.chosen.reward, p.rejected.reward) for p in pairs)
+    assert got == [(0.7, 0.5), (0.85, 0.5), (0.85, 0.7), (0.9, 0.5), (0.9, 0.7), (0.95, 0.2)]
+    assert trajectory_pairs(trajectories, rule="best_success") == []  # the backend rule needs a reward of 1.0
+
+
+def test_frontend_presets_build():
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("frontend_configs", pathlib.Path("configs/frontend.py"))
+    configs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(configs)
+    for preset in configs.ROLLOUT_PRESETS + configs.PIPELINE_PRESETS:
+        c = configs.get_config(preset)
+        assert c.track == "frontend" and c.frontend.renderers >= 1
+    assert configs.get_config("frontend_8b").collect.min_gap == 0.1
+    assert configs.get_config("frontend_8b").simulator.kind == "openai"

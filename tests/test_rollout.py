@@ -59,7 +59,7 @@ def test_rollout_writes_official_trajectories_with_rewards(tmp_path):
     assert [d["role"] for d in first["dialogue_history"]] == ["user", "assistant", "user", "assistant", "user",
                                                               "assistant"]
     assert summary == {"episodes": 10, "failed_episodes": 0, "success_rate": 0.8, "tests_passed_pct": 80.0,
-                       "turns_per_episode": 3.0}
+                       "mean_reward": 0.8, "turns_per_episode": 3.0}
     assert json.loads(rollout_lib.summary_path(out).read_text()) == summary
 
 

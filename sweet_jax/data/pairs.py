@@ -78,6 +78,31 @@ def critic_pairs(trajectories: Sequence[Trajectory], *, min_gap: float = 0.0,
     return pairs
 
 
+def gap_pairs(trajectories: Sequence[Trajectory], *, min_gap: float = 0.1) -> list[TrajectoryPair]:
+    """The official frontend rule (rewards are CLIP cosines, never exactly 1.0): per task, every two trajectories
+    whose rewards differ by at least min_gap make a pair, the higher one chosen; in input order."""
+    _require_rewards(trajectories)
+    pairs = []
+    for key, group in group_by_task(trajectories).items():
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if abs(a.reward - b.reward) >= min_gap:
+                    pairs.append(TrajectoryPair(a, b, key) if a.reward > b.reward else TrajectoryPair(b, a, key))
+    log.info("gap_pairs: %d pairs (gap >= %g) from %d trajectories", len(pairs), min_gap, len(trajectories))
+    return pairs
+
+
+def trajectory_pairs(trajectories: Sequence[Trajectory], *, rule: str = "best_success",
+                     min_gap: float = 0.0) -> list[TrajectoryPair]:
+    """Critic / multi-turn DPO pairs by rule: 'best_success' (backend: critic_pairs) or 'all_gaps' (frontend:
+    gap_pairs; min_gap 0 means the official 0.1)."""
+    if rule == "best_success":
+        return critic_pairs(trajectories, min_gap=min_gap)
+    if rule == "all_gaps":
+        return gap_pairs(trajectories, min_gap=min_gap or 0.1)
+    raise ValueError(f"pair rule {rule!r}: use best_success (backend) or all_gaps (frontend)")
+
+
 def mtdpo_pairs(trajectories: Sequence[Trajectory], *, min_gap: float = 0.0,
                 success_reward: float = 1.0) -> list[TrajectoryPair]:
     """Trajectory-level pairs for the multi-turn DPO baseline: the same pairs as the critic's, rendered

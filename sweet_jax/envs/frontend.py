@@ -284,6 +284,84 @@ def frontend_evaluation(records: Sequence[dict], reference_records: Sequence[dic
     return result
 
 
-__all__ = ["ANSWER_MARKER", "FRONTEND_AGENT_PROMPT", "FRONTEND_RESPONSE_CHAR_LIMIT", "DesignScore", "FrontendEnv",
-           "FrontendScorer", "ScriptedDesignSimulator", "Screens", "VisionSimulator", "describe_differences",
-           "frontend_evaluation", "latest_page", "vision_messages"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The track's pieces from a config, and scripted demonstrations
+# ----------------------------------------------------------------------------------------------------------
+
+def frontend_config():
+    """The `frontend` block of rollout and pipeline configs (configs/frontend.py)."""
+    import ml_collections
+
+    f = ml_collections.ConfigDict()
+    f.clip_path = ""               # HF CLIP checkpoint directory (openai/clip-vit-base-patch32); '' = a random
+    #                                tiny CLIP: the mechanics only, its cosines mean nothing
+    f.clip_batch_size = 8
+    f.renderers = 2                # headless browsers rendering in parallel
+    f.page_time_limit_s = 15.0     # per page: load, layout and screenshot
+    return f
+
+
+class FrontendTrack:
+    """What a frontend rollout needs besides the policy: browsers, a simulator, the CLIP scorer."""
+
+    def __init__(self, frontend, simulator, *, seed: int = 0):
+        from flax import nnx
+
+        from sweet_jax.envs.browser import RendererPool
+        from sweet_jax.envs.clip_reward import ClipReward
+        from sweet_jax.models.clip import CLIPVision, CLIPVisionConfig, load_clip_hf
+
+        self.pool = RendererPool(frontend.renderers, time_limit_s=frontend.page_time_limit_s)
+        self.screens = Screens(self.pool)
+        clip = (load_clip_hf(frontend.clip_path) if frontend.clip_path
+                else CLIPVision(CLIPVisionConfig.tiny(), rngs=nnx.Rngs(seed)))
+        self.scorer = FrontendScorer(self.screens, ClipReward(clip, batch_size=frontend.clip_batch_size))
+        s = simulator
+        if s.kind in ("scripted", "design_scripted"):
+            self.simulator = ScriptedDesignSimulator()
+        elif s.kind in ("openai", "vision"):
+            self.simulator = VisionSimulator(self.screens, s.base_url, s.model, api_key=s.api_key,
+                                             timeout_s=s.timeout_s, max_retries=s.max_retries,
+                                             concurrency=s.concurrency, max_tokens=s.max_tokens)
+        else:
+            raise SimulatorError(f"simulator.kind={s.kind!r} for the frontend track: use scripted (feedback from "
+                                 "the pages' HTML) or openai (a vision-language model behind an endpoint)")
+
+    def close(self):
+        self.simulator.close()
+        self.pool.close()
+
+
+def degraded_pages(page: str, rng) -> list[tuple[str, str]]:
+    """(name, page) drafts of decreasing fidelity to `page`: the page itself, without its colours, with half of
+    its body, and empty. Scripted agents answer with them so the offline set has rewards that differ."""
+    no_colour = _COLOUR.sub("inherit", page)
+    body_start, body_end = page.find("<body"), page.rfind("</body>")
+    if 0 <= body_start < body_end:
+        cut = body_start + int((body_end - body_start) * rng.uniform(0.3, 0.6))
+        half = page[:cut] + page[body_end:]
+    else:
+        half = page[: len(page) // 2]
+    return [("exact", page), ("no_colour", no_colour), ("half", half), ("empty", "<html><body></body></html>")]
+
+
+def scripted_design_trajectories(tasks: Sequence[Any], scorer: FrontendScorer, *, per_task: int,
+                                 seed: int = 0) -> list[dict]:
+    """per_task episodes a task by scripted agents: one question answered by the scripted simulator, then a draft
+    from degraded_pages (drawn at random), given as the answer; scored by `scorer`."""
+    rng = np.random.default_rng(seed)
+    simulator = ScriptedDesignSimulator()
+    episodes = []
+    for task in tasks:
+        drafts = degraded_pages(str(task_field(task, "ground_truth", "")), rng)
+        for _ in range(per_task):
+            name, draft = drafts[int(rng.integers(len(drafts)))]
+            env = FrontendEnv(task, simulator, max_turns=10)
+            env.step("Could you describe the page you have in mind?")
+            env.step(f"{ANSWER_MARKER}\n{draft}")
+            episodes.append((env, name))
+    scores = scorer.score_many([(env.task, env.answer) for env, _ in episodes])
+    return [dict(env.trajectory(reward=score.reward), scripted_agent=name)
+            for (env, name), score in zip(episodes, scores) if score.status == "ok"]
