@@ -13,6 +13,7 @@ from sweet_jax.data import load_trajectories
 from sweet_jax.data.pairs import gap_pairs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(1800)  # the run is one fixture: browsers + every stage, on a shared 2-core machine
 STAGES = ["tasks", "init", "offline", "critic", "candidates", "rank", "policy_sweet", "eval_zero_shot", "eval_sweet",
           "report"]
 
@@ -28,7 +29,7 @@ def workdir(tmp_path_factory):
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "sweet_jax.pipeline", "--config", "configs/frontend.py:frontend_test",
-                           "--workdir", str(wd)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+                           "--workdir", str(wd)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert f"stages run: {', '.join(STAGES)}; skipped (already done): none" in proc.stdout
     return wd

@@ -26,6 +26,7 @@ import http.server
 import io
 import logging
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -281,7 +282,7 @@ class RendererPool:
     def __init__(self, size: int = 2, **renderer_kwargs):
         self.server = PageServer()
         self.renderers = [Renderer(self.server, **renderer_kwargs) for _ in range(size)]
-        self._free: "queue.Queue[Renderer]" = __import__("queue").Queue()
+        self._free: queue.Queue[Renderer] = queue.Queue()
         for renderer in self.renderers:
             self._free.put(renderer)
         self._threads = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="render-pool")
