@@ -16,7 +16,7 @@ from sweet_jax.data.batching import (BatchError, BatchIterator, bucket_for, buck
 from sweet_jax.data.demo import DemoPaths
 from sweet_jax.data.demo import paths as demo_paths
 from sweet_jax.data.pairs import (Examples, PolicyPair, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
-                                  group_by_task, mtdpo_pairs, pair_examples, policy_pair_examples, policy_pairs,
+                                  group_by_task, mtdpo_pairs, pair_examples, policy_pairs,
                                   rft_examples, sft_examples)
 from sweet_jax.data.render import (INFO_PLACEMENTS, OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, RenderError,
                                    fit_all, fit_length, info_text, render_dialogue, render_prerendered,

@@ -247,23 +247,6 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
     return PolicyPairs(out, skipped)
 
 
-def policy_pair_examples(prompts: Sequence[Rendered], pairs: Sequence[PolicyPair], *, max_len: int | None = None,
-                         overflow: str = "truncate") -> tuple[Examples, LengthStats]:
-    """(prompt + chosen reply, prompt + rejected reply) token sequences; candidates are reply token ids.
-
-    prompts[g] is the prompt of group g (render_prompt(...) or token ids); its earlier replies can be
-    dropped by the length policy when it carries their reply_starts.
-    """
-    stats = LengthStats()
-    out = Examples()
-    for i, p in enumerate(pairs):
-        prompt = prompts[p.group]
-        out.append_from(i, fit_all((reply_from_tokens(prompt, p.chosen), reply_from_tokens(prompt, p.rejected)),
-                                   max_len, overflow=overflow, stats=stats))
-    stats.log("policy pair examples", max_len)
-    return out, stats
-
-
 SAMPLED_ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
