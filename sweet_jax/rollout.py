@@ -206,9 +206,7 @@ def write_official_layout(out: pathlib.Path, tasks: Sequence[Any], best_of: int)
     """Rewrite OUTPUT (atomically) in the official block layout, failed episodes included; returns its rows."""
     failures = read_records(failures_path(out)) if failures_path(out).exists() else []
     rows = official_blocks(read_records(out), failures, tasks, best_of)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, out)
+    jsonl.write(out, rows)
     return len(rows)
 
 
