@@ -14,6 +14,8 @@ from sweet_jax.data import load_tasks, load_trajectories
 from sweet_jax.models import gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# One fixture runs every stage on 135M-parameter weights (each stage compiles its own programs).
+pytestmark = pytest.mark.timeout(1800)
 
 
 def hf_params(path):
@@ -33,7 +35,7 @@ def run(tmp_path_factory):
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "sweet_jax.pipeline", "--config", "configs/pipeline.py:smollm2_test",
                            "--workdir", str(root / "run"), f"--config.init.pretrained={pretrained}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root / "run", pathlib.Path(pretrained)
 
