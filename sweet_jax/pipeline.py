@@ -703,7 +703,9 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         for name, value in pipeline_diagnostics.run_diagnostics(run.workdir).items():
             diagnostics["pair_oracle_agreement" + name[len("rank"):]] = value["agreement_pct"]
     model = "policy"
-    if c.init.kind == "sft":
+    if c.init.kind == "sft" and c.init.pretrained:
+        model = f"{pathlib.Path(c.init.pretrained).name}, SFT start"
+    elif c.init.kind == "sft":
         m = c.model
         model = f"tiny Llama (h{m.hidden_size}, {m.num_layers} layers), SFT start"
     elif c.init.path:

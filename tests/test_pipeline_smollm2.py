@@ -66,4 +66,5 @@ def test_critic_and_policy_are_trained_from_it_and_evaluated_on_heldout_tasks(ru
         assert {t.task.key for t in trajs} == heldout
         rewards = np.array([t.reward for t in trajs])
         assert row["tests_passed_pct"] == pytest.approx(100 * rewards.mean())
+    assert results["model"] == "smollm2_hf, SFT start"
     assert "| SWEET-RL |" in (workdir / "results.md").read_text()
