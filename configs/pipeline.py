@@ -234,19 +234,19 @@ def get_config(preset: str = "demo"):
             c.tasks.num_train = 4
             c.tasks.num_heldout = 2
             c.init.num_tasks = 8
-            c.init.sft = _train_stage(num_steps=1, lr=5e-5, batch_size=8)
+            c.init.sft = _train_stage(num_steps=1, lr=5e-5, batch_size=2)
             c.collect.best_of = 2
             c.collect.scripted_per_task = 2   # a few SFT steps may not succeed on its own: pairs for the critic
             c.collect.max_new_tokens = 12
             c.collect.max_turns = 2
-            c.critic = _train_stage(num_steps=1, lr=1e-5, batch_size=8, eval_fraction=0.25)
+            c.critic = _train_stage(num_steps=1, lr=1e-5, batch_size=2, eval_fraction=0.25)
             c.rank.max_prompts = 2
             c.rank.num_candidates = 2
             c.rank.num_pairs = 1
             c.rank.max_new_tokens = 8
-            c.sweet = _train_stage(num_steps=1, lr=1e-5, batch_size=8, nll_coef=0.01)
-            c.mtdpo = _train_stage(num_steps=1, lr=1e-5, batch_size=8)
-            c.rft = _train_stage(num_steps=1, lr=1e-5, batch_size=8)
+            c.sweet = _train_stage(num_steps=1, lr=1e-5, batch_size=2, nll_coef=0.01)
+            c.mtdpo = _train_stage(num_steps=1, lr=1e-5, batch_size=2)
+            c.rft = _train_stage(num_steps=1, lr=1e-5, batch_size=2)
             c.eval.samples = 1
             c.eval.max_new_tokens = 8
             c.eval.max_turns = 2
