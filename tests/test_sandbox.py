@@ -338,9 +338,11 @@ def test_forged_result_frames_fail_their_case_without_costing_the_trainer(evalua
 def test_one_time_budget_per_evaluation_ends_a_hang_in_every_case():
     """Module-level code using most of timeout_s, then a hang in every case: each case would cost
     a timeout plus a re-run of the module; the evaluation's budget ends it, and it scores 0."""
-    timeout_s, n = 0.3, 16
+    # The module's own sleep leaves headroom for interpreter start-up on a loaded host (at 0.15 s of 0.3 s
+    # the module itself sometimes timed out, a different outcome than the one under test).
+    timeout_s, n = 1.0, 8
     task = {"ground_truth": "def f(i):\n    return i\n", "test_cases": {str(i): f"f({i})" for i in range(n)}}
-    answer = "import time\ntime.sleep(0.15)\ndef f(i):\n    while True:\n        pass\n"
+    answer = "import time\ntime.sleep(0.4)\ndef f(i):\n    while True:\n        pass\n"
     with Evaluator(workers=1, timeout_s=timeout_s) as ev:
         start = time.monotonic()
         score = ev.score(task, answer)
