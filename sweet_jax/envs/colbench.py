@@ -72,6 +72,8 @@ def parse_agent_reply(reply: str, *, last_turn: bool = False) -> AgentReply:
 class ColBenchEnv:
     """One backend-programming episode between an agent and a human simulator."""
 
+    reply_char_limit = HUMAN_RESPONSE_CHAR_LIMIT  # the human's replies are cut to this many characters
+
     def __init__(self, task: Any, simulator=None, *, max_turns: int = 10):
         if max_turns < 1:
             raise ValueError(f"ColBenchEnv: max_turns must be >= 1, got {max_turns}")
@@ -99,26 +101,30 @@ class ColBenchEnv:
     def act(self, reply: str, *, prompt: str | None = None) -> bool:
         """Record the agent's reply; returns True when the episode is over (answer given or turns used up)."""
         if self.done:
-            raise RuntimeError("ColBenchEnv.act: the episode is over; call reset() for a new one")
+            raise RuntimeError(f"{type(self).__name__}.act: the episode is over; call reset() for a new one")
         if self.awaiting_human:
-            raise RuntimeError("ColBenchEnv.act: the human has not replied to the previous turn yet (observe)")
+            raise RuntimeError(f"{type(self).__name__}.act: the human has not replied to the previous turn yet "
+                               "(observe)")
         self.turns += 1
         parsed = parse_agent_reply(reply, last_turn=self.turns >= self.max_turns)
         turn = {"role": "assistant", "content": parsed.content}
         if prompt is not None:  # the official record of what the agent saw and said, when known
             turn.update(input=prompt, output=parsed.raw)
         self.dialogue_history.append(turn)
+        self.take_answer(parsed)
+        return self.done
+
+    def take_answer(self, parsed) -> None:
+        """What a reply makes of the answer: the code after the answer marker ends the episode."""
         if parsed.answer is not None:
             self.answer = parsed.answer
             self.done = True
-        return self.done
 
     def observe(self, human_reply: str) -> None:
         """Append the human's reply to the last agent turn, cut to the 400-character limit."""
         if not self.awaiting_human:
-            raise RuntimeError("ColBenchEnv.observe: no agent question is waiting for a human reply")
-        self.dialogue_history.append(
-            {"role": "user", "content": str(human_reply)[:HUMAN_RESPONSE_CHAR_LIMIT]})
+            raise RuntimeError(f"{type(self).__name__}.observe: no agent question is waiting for a human reply")
+        self.dialogue_history.append({"role": "user", "content": str(human_reply)[:self.reply_char_limit]})
 
     def step(self, reply: str, *, prompt: str | None = None) -> bool:
         """act() and, when the episode goes on, ask the simulator and observe() its reply."""

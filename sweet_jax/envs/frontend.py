@@ -57,27 +57,13 @@ write HTML or CSS yourself. If there is no draft yet, describe the page you want
 class FrontendEnv(ColBenchEnv):
     """One design episode: the backend's turn rules; the answer is the agent's latest page (HTML)."""
 
-    def act(self, reply: str, *, prompt: str | None = None) -> bool:
-        if self.done:
-            raise RuntimeError("FrontendEnv.act: the episode is over; call reset() for a new one")
-        if self.awaiting_human:
-            raise RuntimeError("FrontendEnv.act: the human has not replied to the previous turn yet (observe)")
-        self.turns += 1
-        parsed = parse_agent_reply(reply, last_turn=self.turns >= self.max_turns)
-        turn = {"role": "assistant", "content": parsed.content}
-        if prompt is not None:
-            turn.update(input=prompt, output=parsed.raw)
-        self.dialogue_history.append(turn)
+    reply_char_limit = FRONTEND_RESPONSE_CHAR_LIMIT
+
+    def take_answer(self, parsed) -> None:
         page = extract_html(parsed.content)
         if page is not None:
             self.answer = page
         self.done = parsed.answer is not None  # the answer marker, or the last turn
-        return self.done
-
-    def observe(self, human_reply: str) -> None:
-        if not self.awaiting_human:
-            raise RuntimeError("FrontendEnv.observe: no agent question is waiting for a human reply")
-        self.dialogue_history.append({"role": "user", "content": str(human_reply)[:FRONTEND_RESPONSE_CHAR_LIMIT]})
 
 
 def latest_page(dialogue: Sequence[dict]) -> str | None:
