@@ -92,10 +92,10 @@ class Screens:
     def references(self, tasks: Sequence[Any]) -> list:
         htmls = [str(task_field(t, "ground_truth", "")) for t in tasks]
         keys = [hashlib.sha1(h.encode()).hexdigest() for h in htmls]
+        # One lock over check, render and fill: concurrent episodes of a task render its reference once.
         with self._lock:
             missing = {k: h for k, h in zip(keys, htmls) if k not in self._references}
-        fresh = dict(zip(missing, self.pool.render_many(list(missing.values())))) if missing else {}
-        with self._lock:
+            fresh = dict(zip(missing, self.pool.render_many(list(missing.values())))) if missing else {}
             # A failed render is not cached: the next episode of the task tries again.
             self._references.update({k: r for k, r in fresh.items() if r.png is not None})
             return [self._references.get(k) or fresh[k] for k in keys]
