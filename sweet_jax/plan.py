@@ -156,6 +156,7 @@ class Plan:
     layout: str = ""  # layers stacked under scan or unrolled, sequence parallel, attention implementation
     estimated: bool = False  # True: extrapolated from shallower compiles (extrapolated_plan)
     compile_error: str = ""  # the TPU compiler's out-of-memory message when it refused the program
+    mesh_note: str = ""      # why the mesh differs from config.mesh.shape (sharding.choose_mesh_shape), or ''
 
     @property
     def total_bytes(self) -> int:
@@ -201,19 +202,15 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     P = 1 if kind in ("rft", "sft") else 2
     micro = int(config.train.micro_batch_size)
 
-    # Topology -> mesh
+    # Topology -> mesh: the config's, or (when its batch shards do not split the batch) a valid one, said so.
     devices = topology_devices(topology)
     try:
-        mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=devices)
+        shape, why = sharding.choose_mesh_shape(tuple(config.mesh.shape), len(devices), B, micro)
+        mesh = sharding.make_mesh(shape, devices=devices)
     except SweetJaxError as e:
         raise PlanError(f"config.mesh.shape={tuple(config.mesh.shape)} on {topology.name}: {e}") from None
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    per_step = micro or B
-    if per_step % batch_shards or B % per_step:
-        raise PlanError(f"train.batch_size={B}, micro_batch_size={micro}: each (micro-)batch must split evenly "
-                        f"over data x fsdp = {batch_shards} chips of mesh {dict(mesh.shape)}; use a mesh with "
-                        f"fewer batch shards (e.g. --config.mesh.shape='(1,{min(per_step, batch_shards)},"
-                        f"{max(1, len(devices) // max(1, min(per_step, batch_shards)))})') or a larger batch.")
+    if why and verbose:
+        print(f"mesh: {why}", file=sys.stderr, flush=True)
 
     # Sharded abstract state and batch
     lr = float(config.optim.lr)
@@ -242,7 +239,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         lowered = step.lower(*args)
     plan = Plan(topology=topology, step=kind, seq_len=T, batch_size=B, micro_batch_size=micro,
                 mesh_shape=tuple(mesh.shape.values()), remat=mcfg.remat, dtype=mcfg.dtype,
-                num_params=mcfg.num_params(), argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+                mesh_note=why, num_params=mcfg.num_params(), argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
                 code_bytes=0, flops=0.0,
                 model_flops=mcfg.flops_per_token(T) * B * P * T / mesh.devices.size,
                 layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), mcfg.attention_impl
@@ -309,6 +306,7 @@ def report(plan: Plan) -> str:
         f"step       {plan.step}: {plan.num_params / 1e9:.2f}B params, batch {plan.batch_size} "
         f"(micro {plan.micro_batch_size or plan.batch_size}) x seq {plan.seq_len}, compute {plan.dtype}, "
         f"remat {plan.remat}, mesh (data, fsdp, tensor) = {plan.mesh_shape}",
+    ] + ([f"mesh       chosen: {plan.mesh_note}"] if plan.mesh_note else []) + [
         "per chip:",
         f"  arguments {g(plan.argument_bytes)}   (params, optimiser state, batch)",
         f"  outputs   {g(plan.output_bytes)}   ({plan.alias_bytes / GiB:.2f} GiB aliased to donated arguments)",

@@ -85,6 +85,48 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
     return Mesh(device_array, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with the -1 filled in from num_devices (MeshError when the sizes cannot fill them)."""
+    shape = [int(s) for s in shape]
+    if len(shape) != len(MESH_AXES) or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise MeshError(f"mesh shape {tuple(shape)}: expected {len(MESH_AXES)} positive sizes for {MESH_AXES}, "
+                        "at most one -1.")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise MeshError(f"mesh shape {tuple(shape)}: {num_devices} devices are not divisible by {known}.")
+        shape[shape.index(-1)] = num_devices // known
+    return tuple(shape)
+
+
+def choose_mesh_shape(shape: Sequence[int], num_devices: int, batch_size: int,
+                      micro_batch_size: int = 0) -> tuple[tuple[int, int, int], str]:
+    """The (data, fsdp, tensor) mesh a training step runs on, and why: `shape` (the config's, -1 = the rest)
+    when every (micro-)batch splits evenly over its batch shards (data x fsdp), else a valid one.
+
+    The batch dimension is split over data x fsdp, so those must divide the examples per forward pass
+    (micro_batch_size, or batch_size when 0). When the configured mesh's do not (the 8B presets' FSDP over
+    every chip with batch 8 on 16 chips), the batch shards shrink to the largest divisor of the chips they
+    may use that divides those examples, and the freed factor moves to 'tensor': every chip still holds a
+    1/num_devices share of the parameters and optimiser state (fsdp x tensor shards them) and computes on
+    its batch shard's examples. The configured 'tensor' size and, where it still divides, 'data' are kept.
+    Returns (shape, reason); reason is '' when the configured mesh is used as it is."""
+    data, fsdp, tensor = resolve_mesh_shape(shape, num_devices)
+    per_pass = int(micro_batch_size) or int(batch_size)
+    if per_pass < 1 or (micro_batch_size and batch_size % micro_batch_size):
+        raise MeshError(f"batch_size={batch_size}, micro_batch_size={micro_batch_size}: the micro-batch must be "
+                        "a positive divisor of the batch (0 = the whole batch).")
+    if per_pass % (data * fsdp) == 0:
+        return (data, fsdp, tensor), ""
+    free = data * fsdp                   # chips the batch may be split over; the rest stay in 'tensor'
+    shards = max(k for k in range(1, free + 1) if free % k == 0 and per_pass % k == 0)
+    new_data = data if shards % data == 0 else 1
+    chosen = (new_data, shards // new_data, tensor * free // shards)
+    what = f"micro-batch {per_pass}" if micro_batch_size else f"batch {per_pass}"
+    return chosen, (f"{what} does not split evenly over data x fsdp = {data * fsdp} of mesh {(data, fsdp, tensor)}; "
+                    f"using {chosen} (data, fsdp, tensor): the batch over {shards}, 'tensor' x{free // shards}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Logical names -> PartitionSpec -> NamedSharding
 # ----------------------------------------------------------------------------------------------------------

@@ -455,11 +455,26 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
         return finished
     initialize_distributed()
     with contextlib.ExitStack() as mesh_scope:
-        trainer = Trainer(config, workdir, rundir.make_mesh(config.mesh.shape))
+        trainer = Trainer(config, workdir, rundir.make_mesh(training_mesh_shape(config)))
         trainer.setup(mesh_scope, accept_config_change=accept_config_change)
         trainer.resume()
         trainer.loop()
         return trainer.finish()
+
+
+def training_mesh_shape(config) -> tuple:
+    """config.mesh.shape, or a valid mesh for the batch when its batch shards do not split it (logged)."""
+    import jax
+    from sweet_jax import sharding
+    shape = tuple(config.mesh.shape)
+    try:
+        chosen, why = sharding.choose_mesh_shape(shape, jax.device_count(), config.train.batch_size,
+                                                 config.train.micro_batch_size)
+    except sharding.MeshError:
+        return shape  # rundir.make_mesh names what the devices cannot fill
+    if why:
+        log.info("mesh: %s", why)
+    return chosen
 
 
 class Trainer:

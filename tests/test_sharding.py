@@ -127,3 +127,43 @@ def test_batch_sharding_splits_the_leading_dim_over_data_and_fsdp():
 def test_initialize_distributed_is_a_no_op_for_one_process():
     assert sharding.initialize_distributed() is False
     assert jax.process_count() == 1
+
+
+@pytest.mark.parametrize("shape, devices, batch, micro, chosen", [
+    ((1, -1, 1), 16, 8, 0, (1, 8, 2)),    # the 8B presets on v5e-16: FSDP over 16 chips cannot split 8 pairs
+    ((1, -1, 1), 16, 8, 4, (1, 4, 4)),    # the micro-batch is what each pass splits
+    ((1, -1, 1), 8, 6, 0, (1, 2, 4)),
+    ((1, -1, 1), 8, 3, 0, (1, 1, 8)),     # odd batch: tensor parallel over every chip
+    ((2, -1, 1), 16, 12, 0, (2, 2, 4)),   # data kept where it still divides the batch shards
+    ((4, -1, 1), 16, 2, 0, (1, 2, 8)),    # ... and dropped where it does not
+    ((1, -1, 2), 16, 4, 0, (1, 4, 4)),    # the configured tensor size stays a factor
+    ((1, 5, 1), 5, 10, 0, (1, 5, 1)),     # a mesh that splits the batch is kept as configured
+    ((1, -1, 1), 8, 8, 0, (1, 8, 1)),
+])
+def test_choose_mesh_shape_splits_awkward_batches(shape, devices, batch, micro, chosen):
+    got, why = sharding.choose_mesh_shape(shape, devices, batch, micro)
+    assert got == chosen
+    assert (why == "") == (got == sharding.resolve_mesh_shape(shape, devices))
+    if why:
+        assert str(chosen) in why
+
+
+def test_chosen_mesh_is_always_valid_and_uses_every_chip():
+    for devices in (1, 2, 4, 6, 8, 12, 16, 32, 64, 128):
+        for batch in range(1, 33):
+            for shape in ((1, -1, 1), (2, -1, 1), (1, -1, 2), (1, 1, -1)):
+                try:
+                    sharding.resolve_mesh_shape(shape, devices)
+                except sharding.MeshError:
+                    continue
+                (data, fsdp, tensor), _ = sharding.choose_mesh_shape(shape, devices, batch)
+                assert data * fsdp * tensor == devices and batch % (data * fsdp) == 0
+                # The largest batch split the configured tensor size leaves: no larger divisor of the chips
+                # outside 'tensor' divides the batch.
+                free = devices // sharding.resolve_mesh_shape(shape, devices)[2]
+                assert not any(free % k == 0 and batch % k == 0 and k > data * fsdp for k in range(1, free + 1))
+
+
+def test_choose_mesh_shape_rejects_micro_batches_that_do_not_divide_the_batch():
+    with pytest.raises(sharding.MeshError, match="micro-batch"):
+        sharding.choose_mesh_shape((1, -1, 1), 8, 8, 3)

@@ -222,6 +222,23 @@ def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupt
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
 
+def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, tmp_path, caplog):
+    """FSDP over the 8 devices (the presets' (1, -1, 1)) cannot split a batch of 4 pairs: the trainer runs on
+    (1, 4, 2) instead, says so, and trains the step."""
+    import logging
+
+    from sweet_jax import train
+
+    config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
+                         data__bucket=256, train__batch_size=4, train__num_steps=1, train__ckpt_every=0,
+                         train__eval_every=0, data__eval_fraction=0.0, mesh__shape=(1, -1, 1))
+    with caplog.at_level(logging.INFO, logger="sweet_jax.train"):
+        summary = train.run(config, tmp_path / "chosen_mesh")
+    assert summary["steps"] == 1
+    assert any("using (1, 4, 2) (data, fsdp, tensor)" in r.getMessage() for r in caplog.records)
+    assert any("mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in r.getMessage() for r in caplog.records)
+
+
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """The step's loss turns NaN at step 3: the run stops, checkpoint 2 (whose weights gave that loss) is
     moved aside, checkpoint 1 stays as the last good one."""
