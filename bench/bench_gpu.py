@@ -41,8 +41,8 @@ def model_config(args):
     from sweet_jax.models.llama import LlamaConfig
     kw = dict(dtype=args.dtype, param_dtype=args.param_dtype, remat=args.remat, attention_impl=args.attn)
     if args.smoke:
-        return LlamaConfig.tiny(vocab_size=512, **kw)
-    return LlamaConfig.llama3_1b(**kw)
+        return LlamaConfig.preset("tiny", vocab_size=512, **kw)
+    return LlamaConfig.preset("llama3_1b", **kw)
 
 
 def peak_flops(device) -> tuple[float, str]:
@@ -61,7 +61,8 @@ def bench_train_step(args, config, device) -> dict:
     from flax import nnx
 
     from sweet_jax import steps
-    from sweet_jax.models.llama import Llama, resolve_attention_impl
+    from sweet_jax.models.attention import resolve_attention_impl
+    from sweet_jax.models.llama import Llama
 
     model = Llama(config, rngs=nnx.Rngs(0))
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)

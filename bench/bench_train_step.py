@@ -129,7 +129,7 @@ def prepare_jax(a, path, spec):
     import jax
     from sweet_jax import steps
     from sweet_jax.models import load_hf
-    from sweet_jax.models.llama import resolve_attention_impl
+    from sweet_jax.models.attention import resolve_attention_impl
 
     model = load_hf(path, config_overrides=dict(attention_impl=spec["attn"], remat=spec["remat"],
                                                 attention_block_size=int(spec["block"])))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ml_collections
 
-MODEL_PRESETS = ("tiny", "llama3_1b", "llama3_8b", "llama3_70b")
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
 
 
@@ -17,7 +16,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                 # HF checkpoint directory; '' = the demo tiny random model
-    c.model.preset = "tiny"           # architecture when path is '': tiny | llama3_1b | llama3_8b | llama3_70b
+    c.model.preset = "tiny"           # architecture when path is '': a models/llama.py PRESETS name (tiny, llama3_8b, ...)
     c.model.dtype = "float32"         # compute dtype
     c.model.param_dtype = "float32"   # storage dtype of the trained parameters
     c.model.remat = "none"            # none | full | dots_saveable

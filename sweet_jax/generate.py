@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.models.llama import HEADS_MAJOR_CACHE, cache_slot_axis
+from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 
 
 class GenerateError(SweetJaxError):
@@ -264,7 +264,7 @@ def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max
     model = nnx.merge(graphdef, state)
     B, P = input_ids_BP.shape
     N = sample_row_N.shape[0]
-    cache = _constrain_batch(model.init_cache(B, width, heads_major=True), mesh, B)
+    cache = _constrain_batch(model.init_cache(B, width), mesh, B)
     # Slots past the prompt are marked valid up front: causality (slot <= cache_pos + i) hides them until
     # they are written, so the same mask serves prefill and every decode step.
     cache_mask_BL = jnp.concatenate(

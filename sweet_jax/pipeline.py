@@ -410,8 +410,8 @@ def _tiny_llama_config(config):
 
     tok = load_tokenizer(tokenizer_dir(config))
     m = config.model
-    return LlamaConfig.tiny(
-        vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+    return LlamaConfig.preset(
+        "tiny", vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         tie_word_embeddings=m.tie_word_embeddings, bos_token_id=tok.bos_token_id,
         eos_token_id=tuple(sorted(end_of_turn_ids(tok))))

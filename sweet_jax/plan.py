@@ -122,10 +122,11 @@ def llama_config(config):
     if config.model.path and (pathlib.Path(config.model.path) / "config.json").is_file():
         from sweet_jax.models.hf import read_hf_config
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
-    preset = getattr(LlamaConfig, config.model.preset, None)
-    if preset is None:
-        raise PlanError(f"config.model.preset={config.model.preset!r} is not a LlamaConfig preset.")
-    return preset(**overrides)
+    from sweet_jax.models.llama import PRESETS
+    if config.model.preset not in PRESETS:
+        raise PlanError(f"config.model.preset={config.model.preset!r} is not a model preset: use one of "
+                        f"{', '.join(PRESETS)}.")
+    return LlamaConfig.preset(config.model.preset, **overrides)
 
 
 def step_kind(config) -> str:

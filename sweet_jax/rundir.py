@@ -216,12 +216,11 @@ def model_config(config, vocab_size: int, tokenizer=None):
     overrides = model_overrides(config)
     if config.model.path:
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
-    preset = getattr(LlamaConfig, config.model.preset)
     if config.model.preset == "tiny":
+        overrides["vocab_size"] = vocab_size
         if tokenizer is not None:
             overrides.update(demo_token_ids(tokenizer))
-        return preset(vocab_size=vocab_size, **overrides)
-    return preset(**overrides)
+    return LlamaConfig.preset(config.model.preset, **overrides)
 
 
 def demo_token_ids(tokenizer) -> dict:
@@ -290,7 +289,7 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
     if not path:
         if tokenizer is None:
             tokenizer = load_tokenizer_for("")
-        config = LlamaConfig.tiny(vocab_size=len(tokenizer), **demo_token_ids(tokenizer))
+        config = LlamaConfig.preset("tiny", vocab_size=len(tokenizer), **demo_token_ids(tokenizer))
         return Llama(config, rngs=nnx.Rngs(seed)), None
     p = pathlib.Path(path)
     if not p.exists():

@@ -53,8 +53,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.loss.kind in config_utils.LOSS_KINDS, "loss.kind", f"use one of {config_utils.LOSS_KINDS}")
     need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
-    need(config.model.preset in config_utils.MODEL_PRESETS, "model.preset",
-         f"use one of {config_utils.MODEL_PRESETS}")
+    from sweet_jax.models.llama import PRESETS
+    need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
     need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
          "use truncate, drop or cut_right (official)")

@@ -284,7 +284,7 @@ def test_heads_major_cache_prefill_then_decode_matches_full_forward(hf_dir):
     slots = np.zeros((2, 16), np.int32)
     slots[:, :11] = mask
     positions = np.asarray(positions_from_mask(mask))
-    cache = model.init_cache(2, 16, heads_major=True)
+    cache = model.init_cache(2, 16)
     assert cache[0]["k_BKHS"].shape == (2, model.config.num_kv_heads, model.config.head_dim, 16)
     assert cache[0]["v_BKSH"].shape == (2, model.config.num_kv_heads, 16, model.config.head_dim)
     step = jax.jit(lambda m, ids, sm, pos, c, cp: m.hidden_states(ids, sm, pos, cache=c, cache_pos=cp))

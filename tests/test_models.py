@@ -94,7 +94,8 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(checkpoints, padding)
         hidden, cache = step(model, input_ids[:, t:t + 1], slot_mask, positions[:, t:t + 1], cache, t)
         pieces.append(np.asarray(hidden))
     cached_hidden = np.concatenate(pieces, axis=1)
-    assert len(cache) == 2 and cache[0]["k"].shape == (B, max_len, 2, 16)
+    assert len(cache) == 2 and cache[0]["k_BKHS"].shape == (B, 2, 16, max_len)  # heads-major: [B, K, H, S]
+    assert cache[0]["v_BKSH"].shape == (B, 2, max_len, 16)
     valid = mask.astype(bool)
     assert rel_max_diff(cached_hidden, full_hidden, valid) < 1e-5
 
@@ -109,7 +110,7 @@ def test_kv_cache_default_positions_follow_slot_mask(checkpoints):
 
 def tiny_grads(remat: str):
     """Gradients of a small loss of a tiny model, and the jaxpr they came from."""
-    config = LlamaConfig.tiny(vocab_size=VOCAB, remat=remat)
+    config = LlamaConfig.preset("tiny", vocab_size=VOCAB, remat=remat)
     graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)))
     input_ids, mask = padded_batch("right")
 
@@ -156,7 +157,7 @@ def test_unembedding_matches_logits(checkpoints):
 
 
 def test_every_parameter_has_logical_axes_of_its_rank():
-    model = Llama(LlamaConfig.tiny(vocab_size=VOCAB, attention_bias=True, mlp_bias=True), rngs=nnx.Rngs(0))
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=VOCAB, attention_bias=True, mlp_bias=True), rngs=nnx.Rngs(0))
     allowed = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm"}
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
     assert len(params) == 3 + 2 * 16  # embedding, lm_head, final norm; per layer 2 norms, 7 kernels, 7 biases
@@ -169,7 +170,7 @@ def test_every_parameter_has_logical_axes_of_its_rank():
 
 def test_num_params_counts_the_parameters():
     for kw in (dict(), dict(tie_word_embeddings=True), dict(attention_bias=True, mlp_bias=True)):
-        config = LlamaConfig.tiny(vocab_size=VOCAB, **kw)
+        config = LlamaConfig.preset("tiny", vocab_size=VOCAB, **kw)
         model = Llama(config, rngs=nnx.Rngs(0))
         actual = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         assert config.num_params() == actual
@@ -177,10 +178,10 @@ def test_num_params_counts_the_parameters():
 
 def test_presets_have_published_sizes():
     # Parameter counts of the released checkpoints.
-    assert LlamaConfig.llama3_1b().num_params() == 1_235_814_400
-    assert LlamaConfig.llama3_8b().num_params() == 8_030_261_248
-    assert LlamaConfig.llama3_70b().num_params() == 70_553_706_496
-    config = LlamaConfig.llama3_8b()
+    assert LlamaConfig.preset("llama3_1b").num_params() == 1_235_814_400
+    assert LlamaConfig.preset("llama3_8b").num_params() == 8_030_261_248
+    assert LlamaConfig.preset("llama3_70b").num_params() == 70_553_706_496
+    config = LlamaConfig.preset("llama3_8b")
     n_matmul = config.num_params() - config.vocab_size * config.hidden_size
     assert config.flops_per_token(4096) == 6 * n_matmul + 12 * 32 * 32 * 128 * 4096
 
@@ -191,12 +192,12 @@ def test_config_round_trips_through_hf_dict(checkpoints):
     config = LlamaConfig.from_hf(hf)
     assert config.rope_type == "llama3" and config.num_kv_heads == 2 and config.eos_token_id == (2, 3)
     assert LlamaConfig.from_hf(config.to_hf()) == config
-    assert LlamaConfig.from_hf(LlamaConfig.llama3_8b().to_hf()) == LlamaConfig.llama3_8b()
+    assert LlamaConfig.from_hf(LlamaConfig.preset("llama3_8b").to_hf()) == LlamaConfig.preset("llama3_8b")
 
 
 def attention_grads(attention_impl: str, padding: str | None, **overrides):
     """Logits and parameter gradients of a tiny GQA model (4 query heads over 2 kv heads), float32."""
-    config = LlamaConfig.tiny(vocab_size=VOCAB, attention_impl=attention_impl, **overrides)
+    config = LlamaConfig.preset("tiny", vocab_size=VOCAB, attention_impl=attention_impl, **overrides)
     graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)))
     input_ids, mask = padded_batch(padding or "right")
     mask = None if padding is None else mask
@@ -245,19 +246,19 @@ def test_chunked_attention_matches_transformers(checkpoints):
 
 
 def test_auto_attention_blocks_long_sequences_on_cpu():
-    from sweet_jax.models.llama import resolve_attention_impl
-    config = LlamaConfig.tiny()
+    from sweet_jax.models.attention import resolve_attention_impl
+    config = LlamaConfig.preset("tiny")
     assert config.attention_impl == "auto" and jax.default_backend() == "cpu"
     assert resolve_attention_impl(config, 128) == "xla"
     assert resolve_attention_impl(config, 512) == "blocked"
     assert resolve_attention_impl(config, None) == "xla"
     assert resolve_attention_impl(dataclasses.replace(config, attention_impl="xla"), 4096) == "xla"
     with pytest.raises(ValueError):
-        LlamaConfig.tiny(attention_impl="flash")
+        LlamaConfig.preset("tiny", attention_impl="flash")
 
 
 def test_causal_mask_from_iota_matches_tril_with_offset_and_padding():
-    from sweet_jax.models.llama import causal_mask
+    from sweet_jax.models.attention import causal_mask
     key_valid = np.array([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], bool)
     np.testing.assert_array_equal(causal_mask(6, 6), np.tril(np.ones((6, 6), bool))[None, None])
     np.testing.assert_array_equal(causal_mask(3, 6, key_valid, query_offset=2),
@@ -269,7 +270,7 @@ def test_the_mlp_uses_the_hand_written_backward_for_float32_compute_only(dtype, 
     """bf16 compute (TPU) keeps autodiff's backward: XLA plans it in less memory there (the 8B policy step on
     v5p-8: 61.1 vs 79.0 GiB of temps per chip)."""
     from sweet_jax.models.llama import MLP
-    mlp = MLP(LlamaConfig.tiny(dtype=dtype), rngs=nnx.Rngs(0))
+    mlp = MLP(LlamaConfig.preset("tiny", dtype=dtype), rngs=nnx.Rngs(0))
     x = jnp.ones((1, 4, mlp.gate_proj.kernel.shape[0]), dtype)
     assert ("custom_vjp_call" in str(jax.make_jaxpr(mlp)(x))) == custom
 

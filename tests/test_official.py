@@ -80,8 +80,8 @@ def np_logps(model, ids):
 
 
 def models(tok):
-    cfg = LlamaConfig.tiny(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                           num_kv_heads=2, head_dim=8)
+    cfg = LlamaConfig.preset("tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                             num_heads=4, num_kv_heads=2, head_dim=8)
     return Llama(cfg, rngs=nnx.Rngs(0)), Llama(cfg, rngs=nnx.Rngs(1))
 
 

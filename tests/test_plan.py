@@ -37,7 +37,7 @@ def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     # Parameters + Adam moments (float32) sharded over 4 chips, plus the batch: arguments are within a few
     # multiples of that, and the step's temps are real (activations of 4 pairs x 512 tokens).
     from sweet_jax.models import LlamaConfig
-    n = LlamaConfig.tiny().num_params()
+    n = LlamaConfig.preset("tiny").num_params()
     state_bytes = 3 * 4 * n
     assert state_bytes / 4 <= result.argument_bytes <= state_bytes + 4 * 8 * 2 * 512 * 4
     assert result.temp_bytes > 0 and result.flops > 0
@@ -66,7 +66,7 @@ def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_s
     assert scanned.argument_bytes == unrolled.argument_bytes
     # XLA's cost analysis counts a scan body once; the model FLOPs (per token x tokens per chip) do not change.
     from sweet_jax.models import LlamaConfig
-    expected = LlamaConfig.tiny().flops_per_token(256) * 4 * 2 * 256 / 4
+    expected = LlamaConfig.preset("tiny").flops_per_token(256) * 4 * 2 * 256 / 4
     assert scanned.model_flops == unrolled.model_flops == pytest.approx(expected)
     assert scanned.layout.startswith("scan") and "SP" in scanned.layout and unrolled.layout.startswith("unrolled")
 

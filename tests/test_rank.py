@@ -115,7 +115,7 @@ def tiny_model_and_tokenizer():
     from sweet_jax.models import Llama, LlamaConfig
 
     tok = tokenizers.load_tokenizer(demo.paths().tokenizer)
-    model = Llama(LlamaConfig.tiny(vocab_size=len(tok)), rngs=nnx.Rngs(3))
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=len(tok)), rngs=nnx.Rngs(3))
     return model, tok
 
 

@@ -92,7 +92,7 @@ def test_sharded_model_exports_the_same_weights(checkpoint, tmp_path):
 
 def test_shard_model_matches_param_shardings():
     mesh = sharding.make_mesh((2, 2, 2))
-    model = Llama(LlamaConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0))
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=256), rngs=nnx.Rngs(0))
     before = jax.tree.map(np.asarray, nnx.state(model))
     sharding.shard_model(model, mesh)
     wanted = sharding.param_shardings(model, mesh)
@@ -103,7 +103,7 @@ def test_shard_model_matches_param_shardings():
 
 def test_opt_state_shardings_follow_params():
     mesh = sharding.make_mesh((1, 4, 2))
-    model = Llama(LlamaConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0))
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=256), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     param_shardings = sharding.param_shardings(params, mesh)
     opt_shapes = jax.eval_shape(optax.adamw(1e-3).init, params)

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 from sweet_jax import losses, sharding, steps
 from sweet_jax.models import Llama, LlamaConfig
 
-CFG = LlamaConfig.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                       num_kv_heads=2, head_dim=8)
+CFG = LlamaConfig.preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
 MESHES = [(8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)]
 
 

@@ -201,9 +201,9 @@ def _llama3_divisors(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
     """What llama.cpp writes as rope_freqs for HF's llama3 rope: base inverse frequency / scaled one."""
     from sweet_jax.models.llama import rope_inv_freq
 
-    plain = rope_inv_freq(LlamaConfig.tiny(head_dim=head_dim, rope_theta=theta, rope_scaling=None))
-    scaled = rope_inv_freq(LlamaConfig.tiny(head_dim=head_dim, rope_theta=theta,
-                                            rope_scaling=tuple(sorted(scaling.items()))))
+    plain = rope_inv_freq(LlamaConfig.preset("tiny", head_dim=head_dim, rope_theta=theta, rope_scaling=None))
+    scaled = rope_inv_freq(LlamaConfig.preset("tiny", head_dim=head_dim, rope_theta=theta,
+                                                     rope_scaling=tuple(sorted(scaling.items()))))
     return plain.astype(np.float64) / scaled.astype(np.float64)
 
 

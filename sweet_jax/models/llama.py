@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sweet_jax.models.attention import (ATTENTION_IMPLS, KVCache, cache_slots, cached_attention, causal_mask,
+                                        init_kv_cache, self_attention)
+
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "everything_saveable", "nothing_saveable")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "chunked", "blocked")
-AUTO_CHUNKED_MIN_LEN = 2048  # "auto" switches from "xla" to "chunked" (TPU) above this many query tokens
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,51 +201,40 @@ class LlamaConfig:
             "torch_dtype": torch_dtype or self.param_dtype,
         }
 
-    # --- presets -------------------------------------------------------------------------------------------
+    # --- presets (the PRESETS table below) ------------------------------------------------------------------
     @classmethod
-    def tiny(cls, vocab_size: int = 256, **overrides) -> "LlamaConfig":
-        """A few-hundred-K-parameter model for tests and the CPU demo (GQA, llama3 rope like 3.1)."""
-        kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0,
-                      rope_scaling=_LLAMA3_ROPE(8.0, 64), max_position_embeddings=2048,
-                      bos_token_id=None, eos_token_id=None)
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def llama3_1b(cls, **overrides) -> "LlamaConfig":
-        """meta-llama/Llama-3.2-1B(-Instruct) config.json."""
-        return cls(**{**dict(
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-            num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-            rope_scaling=_LLAMA3_ROPE(32.0, 8192), max_position_embeddings=131072,
-            tie_word_embeddings=True, bos_token_id=128000, eos_token_id=(128001, 128008, 128009)),
-            **overrides})
-
-    @classmethod
-    def llama3_8b(cls, **overrides) -> "LlamaConfig":
-        """meta-llama/Llama-3.1-8B(-Instruct) config.json."""
-        return cls(**{**dict(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-            num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-            rope_scaling=_LLAMA3_ROPE(8.0, 8192), max_position_embeddings=131072,
-            tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001, 128008, 128009)),
-            **overrides})
-
-    @classmethod
-    def llama3_70b(cls, **overrides) -> "LlamaConfig":
-        """meta-llama/Llama-3.1-70B(-Instruct) config.json."""
-        return cls(**{**dict(
-            vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-            num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-            rope_scaling=_LLAMA3_ROPE(8.0, 8192), max_position_embeddings=131072,
-            tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001, 128008, 128009)),
-            **overrides})
+    def preset(cls, name: str, **overrides) -> "LlamaConfig":
+        """The named architecture of PRESETS with `overrides` (dtypes, remat, ...; vocab_size for tiny)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}: expected one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
 
 def _LLAMA3_ROPE(factor: float, original_max_position_embeddings: int) -> tuple:
     return tuple(sorted(dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=original_max_position_embeddings).items()))
+
+
+_LLAMA3 = dict(vocab_size=128256, num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=131072, bos_token_id=128000, eos_token_id=(128001, 128008, 128009))
+
+# Model sizes by name (config `model.preset`, LlamaConfig.preset): the LlamaConfig fields of each.
+PRESETS: dict[str, dict[str, Any]] = {
+    # A few-hundred-K-parameter model for tests and the CPU demo (GQA, llama3 rope like 3.1); its vocab_size is
+    # usually replaced by the tokenizer's.
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE(8.0, 64), max_position_embeddings=2048,
+                 bos_token_id=None, eos_token_id=None),
+    # meta-llama/Llama-3.2-1B(-Instruct) config.json
+    "llama3_1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, head_dim=64,
+                      rope_scaling=_LLAMA3_ROPE(32.0, 8192), tie_word_embeddings=True),
+    # meta-llama/Llama-3.1-8B(-Instruct) config.json
+    "llama3_8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, head_dim=128,
+                      rope_scaling=_LLAMA3_ROPE(8.0, 8192), tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-70B(-Instruct) config.json
+    "llama3_70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                       head_dim=128, rope_scaling=_LLAMA3_ROPE(8.0, 8192), tie_word_embeddings=False),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,95 +344,6 @@ class RMSNorm(nnx.Module):
         x32 = x_BTD.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.scale[...].astype(self.dtype) * x32.astype(self.dtype)
-
-
-def causal_mask(T: int, S: int, key_valid_BS: jax.Array | None = None, query_offset=0) -> jax.Array:
-    """[B or 1, 1, T, S] bool: query row i (at slot query_offset + i) sees key slots j <= query_offset + i
-    that are valid. Built from iota comparisons, so XLA never constant-folds a [T, S] table."""
-    rows_TS = jax.lax.broadcasted_iota(jnp.int32, (T, S), 0) + query_offset
-    cols_TS = jax.lax.broadcasted_iota(jnp.int32, (T, S), 1)
-    mask_11TS = (cols_TS <= rows_TS)[None, None]
-    if key_valid_BS is None:
-        return mask_11TS
-    return mask_11TS & key_valid_BS[:, None, None, :]
-
-
-def chunked_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, chunk_size: int = 512) -> jax.Array:
-    """Causal (+ key padding) attention scanned over blocks of chunk_size queries, each block under
-    jax.checkpoint: only one [B, N, C, S] block of float32 logits is alive in the forward and the backward.
-    Softmax rows are independent, so values and gradients equal the unchunked XLA attention. T that is not a
-    multiple of chunk_size is padded with zero queries (their rows are dropped)."""
-    B, T, N, H = q_BTNH.shape
-    S = k_BSKH.shape[1]
-    C = min(chunk_size, T)
-    if C == T:
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=causal_mask(T, S, key_valid_BS),
-                                            implementation="xla")
-    n = -(-T // C)
-    if n * C != T:
-        q_BTNH = jnp.pad(q_BTNH, ((0, 0), (0, n * C - T), (0, 0), (0, 0)))
-    q_nBCNH = q_BTNH.reshape(B, n, C, N, H).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def block(q_BCNH, start):
-        mask_B1CS = causal_mask(C, S, key_valid_BS, query_offset=start)
-        return jax.nn.dot_product_attention(q_BCNH, k_BSKH, v_BSKH, mask=mask_B1CS, implementation="xla")
-
-    _, out_nBCNH = jax.lax.scan(lambda _, xs: (None, block(*xs)), None,
-                                (q_nBCNH, jnp.arange(n, dtype=jnp.int32) * C))
-    return out_nBCNH.swapaxes(0, 1).reshape(B, n * C, N, H)[:, :T]
-
-
-def blocked_causal_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, block_size: int = 128) -> jax.Array:
-    """Causal (+ key padding) self-attention (S == T) over query blocks unrolled in Python: block [a, b)
-    attends keys [0, b) only, so the fully masked upper triangle is never computed (T = 4 blocks: 10/16 of
-    the logits). Real query rows equal the XLA attention; a query row that sees no valid key averages the
-    values of its block's key range instead of all keys (padding rows only)."""
-    T = q_BTNH.shape[1]
-    outs = []
-    for start in range(0, T, block_size):
-        end = min(start + block_size, T)
-        kv = None if key_valid_BS is None else key_valid_BS[:, :end]
-        outs.append(jax.nn.dot_product_attention(
-            q_BTNH[:, start:end], k_BSKH[:, :end], v_BSKH[:, :end],
-            mask=causal_mask(end - start, end, kv, query_offset=start), implementation="xla"))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-
-
-# The sampler's heads-major KV cache, per layer: logical axis names of each array (None: the cache slots).
-# Keys are stored transposed, [B, K, H, S], so that both decode products are plain [Q, H] x [H, S] and
-# [Q, S] x [S, H] matmuls: against keys stored [S, H], XLA:CPU's Q.K^T took 6-7x the time of P.V over the same
-# bytes (1.8 ms of an 8.3 ms decode step of the 24M bench model; BENCHMARKS.md, "Sampler").
-HEADS_MAJOR_CACHE = {"k_BKHS": ("batch", "kv_heads", "head_dim", None),
-                     "v_BKSH": ("batch", "kv_heads", None, "head_dim")}
-
-
-def cache_slot_axis(name: str) -> int:
-    """The slots axis of a heads-major cache array (see HEADS_MAJOR_CACHE)."""
-    return HEADS_MAJOR_CACHE[name].index(None)
-
-
-def heads_major_attention(q_BTNH, k_BKHS, v_BKSH, mask_B1TS) -> jax.Array:
-    """Attention of T queries over a heads-major KV cache: [B, T, N, H] out. The G = N // K query heads sharing a
-    kv head are stacked with the T queries into one [G*T, H] block per (row, kv head), so both products are
-    plain batched matmuls over (B, K) with the cache as stored: XLA moves no cache bytes besides reading them.
-    Same math as jax.nn.dot_product_attention's XLA path (scale after the product, float32 softmax, masked
-    logits at a large finite negative: a row that sees no slot averages them, as there)."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BKHS.shape[1]
-    G = N // K
-    q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
-    logits_BKQS = jnp.einsum("BKQH,BKHS->BKQS", q_BKQH, k_BKHS)
-    logits_BKQS = logits_BKQS * jnp.asarray(H ** -0.5, logits_BKQS.dtype)
-    S = k_BKHS.shape[3]
-    mask_B1QS = jnp.broadcast_to(mask_B1TS[:, :, None], (B, 1, G, T, S)).reshape(B, 1, G * T, S)
-    logits_BKQS = jnp.where(mask_B1QS, logits_BKQS.astype(jnp.float32),
-                            jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
-    probs_BKQS = jax.nn.softmax(logits_BKQS, axis=-1).astype(v_BKSH.dtype)
-    out_BKQH = jnp.einsum("BKQS,BKSH->BKQH", probs_BKQS, v_BKSH)
-    return out_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-
-
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
@@ -453,67 +354,18 @@ class Attention(nnx.Module):
         self.v_proj = Dense((D, K, H), ("embed", "kv_heads", "head_dim"), einsum="BTD,DKH->BTKH", **kw)
         self.o_proj = Dense((N, H, D), ("heads", "head_dim", "embed"), einsum="BTNH,NHD->BTD", **kw)
         self.config = c
-        # Cached decoding (few queries over a long, partly empty cache) stays on XLA unless cuDNN is asked for.
-        self.cache_implementation = "cudnn" if c.attention_impl == "cudnn" else "xla"
 
     def __call__(self, x_BTD, cos, sin, mask, kv_cache=None, cache_pos=None):
         """mask: without a cache, key_valid [B, T] bool or None (all valid), causal by index;
-        with a cache, the full [B, 1, T, S] bool mask over cache slots."""
+        with a cache (attention.KVCache, one layer's), the full [B, 1, T, S] bool mask over cache slots.
+        Returns (out [B, T, D], the layer's updated cache or None)."""
         q_BTNH = apply_rope(self.q_proj(x_BTD), cos, sin)
         k_BTKH = apply_rope(self.k_proj(x_BTD), cos, sin)
         v_BTKH = self.v_proj(x_BTD)
-        if kv_cache is not None and "v_BKSH" in kv_cache:
-            # Heads-major cache (the sampler's): write this step's K/V at slots [cache_pos, cache_pos + T), then
-            # attend over every slot; each (row, kv head) reads its keys as one contiguous [H, S] matrix.
-            k_BKHS = jax.lax.dynamic_update_slice(
-                kv_cache["k_BKHS"], k_BTKH.transpose(0, 2, 3, 1).astype(kv_cache["k_BKHS"].dtype), (0, 0, 0, cache_pos))
-            v_BKSH = jax.lax.dynamic_update_slice(
-                kv_cache["v_BKSH"], v_BTKH.swapaxes(1, 2).astype(kv_cache["v_BKSH"].dtype), (0, 0, cache_pos, 0))
-            if v_BKSH.shape[2] == x_BTD.shape[1]:
-                # The new tokens fill the whole cache (a prefill, cache_pos 0): causal self-attention over them with
-                # the no-cache implementations (on CPU "blocked" skips the masked half: 1.7x at 64 x 256 tokens).
-                # The last query row of the mask is the key-valid mask.
-                out_BTNH = self._self_attention(q_BTNH, k_BTKH, v_BTKH, mask[:, 0, -1, :])
-            elif self.cache_implementation == "cudnn":
-                out_BTNH = jax.nn.dot_product_attention(
-                    q_BTNH, k_BKHS.transpose(0, 3, 1, 2).astype(q_BTNH.dtype),
-                    v_BKSH.swapaxes(1, 2).astype(q_BTNH.dtype), mask=mask, implementation="cudnn")
-            else:
-                out_BTNH = heads_major_attention(q_BTNH, k_BKHS.astype(q_BTNH.dtype), v_BKSH.astype(q_BTNH.dtype),
-                                                 mask)
-            return self.o_proj(out_BTNH, flat_contraction=True), {"k_BKHS": k_BKHS, "v_BKSH": v_BKSH}
-        if kv_cache is not None:
-            # Write this step's K/V at slots [cache_pos, cache_pos + T), then attend over the whole cache.
-            start = (0, cache_pos, 0, 0)
-            k_BSKH = jax.lax.dynamic_update_slice(kv_cache["k"], k_BTKH.astype(kv_cache["k"].dtype), start)
-            v_BSKH = jax.lax.dynamic_update_slice(kv_cache["v"], v_BTKH.astype(kv_cache["v"].dtype), start)
-            out_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask=mask,
-                implementation=self.cache_implementation)
-            return self.o_proj(out_BTNH), {"k": k_BSKH, "v": v_BSKH}
-        return self.o_proj(self._self_attention(q_BTNH, k_BTKH, v_BTKH, mask)), None
-
-    def _self_attention(self, q_BTNH, k_BTKH, v_BTKH, key_valid_BT):
-        """Causal self-attention of T tokens (+ key padding mask [B, T] or None) -> [B, T, N, H]."""
-        T = q_BTNH.shape[1]
-        impl = resolve_attention_impl(self.config, T)
-        if impl == "chunked":
-            out_BTNH = chunked_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT,
-                                         chunk_size=self.config.attention_chunk_size)
-        elif impl == "blocked":
-            # Under jax.checkpoint: the backward recomputes the blocks' logits and softmax from q, k, v instead of
-            # keeping them (float32, heads x ~T/2 keys per token per layer: more than the rest of a SmolLM2 layer's
-            # activations at T = 512) for ~3% more step FLOPs; without differentiation nothing changes.
-            out_BTNH = jax.checkpoint(functools.partial(blocked_causal_attention,
-                                                        block_size=self.config.attention_block_size))(
-                q_BTNH, k_BTKH, v_BTKH, key_valid_BT)
-        elif impl == "cudnn" and key_valid_BT is None:
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
-        else:
-            # A padding query row may see no key at all; XLA's attention then averages uniformly (finite).
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=causal_mask(T, T, key_valid_BT),
-                                                    implementation=impl)
-        return out_BTNH
+        if kv_cache is None:
+            return self.o_proj(self_attention(q_BTNH, k_BTKH, v_BTKH, mask, self.config)), None
+        out_BTNH, kv_cache = cached_attention(q_BTNH, k_BTKH, v_BTKH, kv_cache, cache_pos, mask, self.config)
+        return self.o_proj(out_BTNH, flat_contraction=True), kv_cache
 
 
 @jax.custom_vjp
@@ -618,22 +470,6 @@ def stacked_decoder_layers(config: LlamaConfig, rngs: nnx.Rngs) -> DecoderLayer:
     return make(rngs)
 
 
-def resolve_attention_impl(config: LlamaConfig, seq_len: int | None = None) -> str:
-    """The attention implementation used for seq_len query tokens (no cache)."""
-    if config.attention_impl != "auto":
-        return config.attention_impl
-    # cuDNN's fused attention takes 16-bit inputs only; XLA's is the portable path (TPU, fp32 GPU), chunked
-    # once the [B, N, T, T] float32 logits get large (64 MiB per head per sequence at T = 4096).
-    if jax.default_backend() == "gpu" and config.dtype in ("bfloat16", "float16"):
-        return "cudnn"
-    if seq_len is None:
-        return "xla"
-    if jax.default_backend() == "cpu":  # memory is plentiful: skip the masked half of the logits instead
-        # 0.64x the XLA attention's fwd+bwd time at B=4, T=512, 8 heads, blocks of 128 (2-core CPU).
-        return "blocked" if seq_len >= 2 * config.attention_block_size else "xla"
-    return "chunked" if seq_len > AUTO_CHUNKED_MIN_LEN else "xla"
-
-
 def _remat_policy(name: str):
     return None if name in ("full", "nothing_saveable") else getattr(jax.checkpoint_policies, name)
 
@@ -672,25 +508,14 @@ class Llama(nnx.Module):
             return self.embedder.embedding[...].astype(self.config.dtype).T
         return self.lm_head.kernel[...].astype(self.config.dtype)
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None, *,
-                   heads_major: bool = False) -> list[dict[str, jax.Array]]:
-        """Per layer {'k', 'v'}: [B, max_len, K, H] zeros in the compute dtype.
-
-        heads_major=True: per layer {'k_BKHS': [B, K, H, max_len], 'v_BKSH': [B, K, max_len, H]}, the decoding
-        layout (the sampler's, see HEADS_MAJOR_CACHE).
-        Attention then reads each (row, kv head)'s slots as one contiguous matrix; with [B, S, K, H], XLA:CPU
-        transposes the whole cache at every decode step (1.4x a step's time on the 24M bench model)."""
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache of max_len slots in the compute dtype (or dtype): per layer {'k_BKHS', 'v_BKSH'}
+        (attention.HEADS_MAJOR_CACHE)."""
         c = self.config
         if c.scan_layers:
             raise ScanLayersError("init_cache: this model has scan_layers=True (a training layout); generation "
                                   "needs per-layer modules: build or load it with scan_layers=False.")
-        dtype = dtype or c.dtype
-        if heads_major:
-            B, K, H = batch_size, c.num_kv_heads, c.head_dim
-            return [{"k_BKHS": jnp.zeros((B, K, H, max_len), dtype), "v_BKSH": jnp.zeros((B, K, max_len, H), dtype)}
-                    for _ in range(c.num_layers)]
-        shape = (batch_size, max_len, c.num_kv_heads, c.head_dim)
-        return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(c.num_layers)]
+        return init_kv_cache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype or c.dtype)
 
     def _constrain_residual(self, x_BTD):
         spec = self.config.residual_sharding
@@ -710,7 +535,7 @@ class Llama(nnx.Module):
         B, T = input_ids.shape
         if cache is not None:
             cache_pos = jnp.asarray(0 if cache_pos is None else cache_pos, jnp.int32)
-            S = cache[0]["v_BKSH"].shape[2] if "v_BKSH" in cache[0] else cache[0]["k"].shape[1]
+            S = cache_slots(cache)
             slot_valid_BS = (jnp.ones((B, S), bool) if attention_mask is None
                              else jnp.asarray(attention_mask).astype(bool))
             if positions is None:
@@ -730,34 +555,34 @@ class Llama(nnx.Module):
         x_BTD = jnp.take(self.embedder.embedding[...], input_ids, axis=0).astype(c.dtype)
         if cache is None:
             x_BTD = self._constrain_residual(x_BTD)
-
-        def layer_forward(layer, x_BTD, cos, sin, mask, kv_cache, cache_pos):
-            return layer(x_BTD, cos, sin, mask, kv_cache, cache_pos)
-
-        if c.remat != "none":
-            layer_forward = nnx.remat(layer_forward, policy=_remat_policy(c.remat))
-
-        if c.scan_layers:
-            if cache is not None:
-                raise ScanLayersError("a KV cache needs per-layer modules: load the model with scan_layers=False "
-                                      "for generation (load_hf(..., config_overrides={'scan_layers': False})).")
-            graphdef, layers_state = nnx.split(self.layers)
-
-            def scan_body(x_BTD, layer_state):  # one decoder layer; layer_state holds its slice of the stack
-                x_BTD, _ = nnx.merge(graphdef, layer_state)(x_BTD, cos, sin, mask)
-                return self._constrain_residual(x_BTD), None
-
-            if c.remat != "none":
-                scan_body = jax.checkpoint(scan_body, policy=_remat_policy(c.remat))
-            x_BTD, _ = jax.lax.scan(scan_body, x_BTD, layers_state)
-            return self.final_norm(x_BTD)
-
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            kv_cache = None if cache is None else cache[i]
-            x_BTD, layer_cache = layer_forward(layer, x_BTD, cos, sin, mask, kv_cache, cache_pos)
-            if cache is None:
-                x_BTD = self._constrain_residual(x_BTD)
-            new_cache.append(layer_cache)
+        x_BTD, new_cache = self._run_layers(x_BTD, cos, sin, mask, cache, cache_pos)
         hidden_BTD = self.final_norm(x_BTD)
         return hidden_BTD if cache is None else (hidden_BTD, new_cache)
+
+    def _run_layers(self, x_BTD, cos, sin, mask, cache, cache_pos):
+        """The decoder layers -> (x [B, T, D], the updated cache or None). One pure layer function, under the
+        config's remat policy, runs both stacks: scanned over the stacked parameters (scan_layers: XLA compiles
+        one layer) or called once per layer module (unrolled: the KV cache needs these)."""
+        c = self.config
+        if c.scan_layers and cache is not None:
+            raise ScanLayersError("a KV cache needs per-layer modules: load the model with scan_layers=False "
+                                  "for generation (load_hf(..., config_overrides={'scan_layers': False})).")
+
+        def layer_body(x_BTD, layer_state, kv_cache, cos, sin, mask, cache_pos):  # one layer; state: its params
+            x_BTD, kv_cache = nnx.merge(graphdef, layer_state)(x_BTD, cos, sin, mask, kv_cache, cache_pos)
+            return (x_BTD if kv_cache is not None else self._constrain_residual(x_BTD)), kv_cache
+
+        if c.remat != "none":
+            layer_body = jax.checkpoint(layer_body, policy=_remat_policy(c.remat))
+        if c.scan_layers:
+            graphdef, layers_state = nnx.split(self.layers)
+            x_BTD, _ = jax.lax.scan(lambda x_BTD, layer_state: layer_body(x_BTD, layer_state, None, cos, sin, mask,
+                                                                          cache_pos), x_BTD, layers_state)
+            return x_BTD, None
+        graphdef = nnx.graphdef(self.layers[0])  # every layer has the same structure
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x_BTD, layer_cache = layer_body(x_BTD, nnx.state(layer), None if cache is None else cache[i],
+                                            cos, sin, mask, cache_pos)
+            new_cache.append(layer_cache)
+        return x_BTD, None if cache is None else new_cache
