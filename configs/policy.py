@@ -10,11 +10,12 @@ Presets: demo, llama3_8b (SWEET-RL actor: lr 2e-7, beta 0.1, nll 0.01, batch 8, 
 baselines demo_mtdpo, demo_rft, mtdpo, rft. official: llama3_8b as the official trainer runs it (README, "Coming
 from the official code"): reads the official pairs file (chosen / rejected strings) as well as sweet_jax.rank's,
 the NLL over the whole chosen sequence (loss.nll_scope=sequence), sequences cut from the right at 16384 tokens;
-demo_official: demo with the same behaviour.
+demo_official: demo with the same behaviour. demo_lora: demo trained through LoRA adapters (rank 8 on every
+projection; config section `lora`, e.g. --config.lora.rank=16 on any preset).
 """
 from sweet_jax import config_utils
 
-PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "llama3_8b", "mtdpo", "rft", "official")
+PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "demo_lora", "llama3_8b", "mtdpo", "rft", "official")
 
 
 def get_config(preset: str = "demo"):
@@ -22,6 +23,8 @@ def get_config(preset: str = "demo"):
     if preset not in PRESETS:
         raise ValueError(f"unknown policy preset {preset!r}: use one of {', '.join(PRESETS)} "
                          "(as configs/policy.py:demo)")
+    lora = preset == "demo_lora"
+    preset = "demo" if lora else preset
     kind = preset.split("_")[-1] if preset.startswith("demo_") else preset
     c.loss.kind = {"demo": "dpo", "llama3_8b": "dpo", "official": "dpo"}.get(kind, kind)
     c.loss.use_info = False           # the policy never sees c
@@ -44,5 +47,7 @@ def get_config(preset: str = "demo"):
         config_utils.official(c)
         if preset == "official":
             c.data.max_len = 16384  # the official policy run's --max_len
+    if lora:
+        config_utils.lora_demo(c)
     c.lock()
     return c

@@ -25,6 +25,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = False       # stacked decoder layers under jax.lax.scan (one layer compiled, not 32/80)
     c.model.sequence_parallel = False  # residual stream between layers split over 'tensor' along tokens
 
+    # LoRA (models/lora.py): adapters of this rank on the target projections, trained while the base stays frozen
+    # (the reference model is the base: no second copy of the weights); checkpoints hold only the adapters.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0                   # 0: full fine-tuning
+    c.lora.alpha = 16.0               # the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)
+    c.lora.targets = "q,k,v,o,gate,up,down"  # projections with adapters: q k v o (attention), gate up down (MLP)
+
     c.data = ml_collections.ConfigDict()
     c.data.trajectories = ""          # ColBench trajectories JSONL; '' = bundled demo trajectories
     c.data.tasks = ""                 # ColBench tasks JSONL; '' = bundled demo tasks
@@ -89,6 +96,14 @@ def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | 
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
                 scan_layers=bool(m.scan_layers),
                 residual_sharding=residual_sharding(sequence_parallel=True) if m.sequence_parallel else None)
+
+
+def lora_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A demo preset trained through rank-8 adapters on every projection (`*_lora` presets)."""
+    c.lora.rank = 8
+    c.lora.alpha = 16.0
+    c.optim.lr = 1e-2                 # adapters start at zero: LoRA takes a larger step than full fine-tuning
+    return c
 
 
 def official(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

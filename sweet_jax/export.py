@@ -1,10 +1,13 @@
 """Export a training run's parameters as a Hugging Face checkpoint (transformers and vLLM load it):
 
     python -m sweet_jax.export --workdir /tmp/critic --out /tmp/critic_hf [--step N] [--dtype bfloat16]
+        [--peft_out /tmp/critic_adapter]
 
 Reads the run's resolved config (workdir/config.json) to rebuild the architecture, restores only the
 parameters from the Orbax checkpoint (latest readable one, or --step) straight onto a mesh over the local
-devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files.
+devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files. A LoRA run
+(config lora.rank > 0) is exported as full weights with the adapters merged in (models/lora.py merge), and with
+--peft_out also as a PEFT adapter (adapter_config.json + adapter_model.safetensors) for the base model.
 """
 from __future__ import annotations
 
@@ -22,10 +25,18 @@ restore_model = rundir.restore_model
 
 
 def export(workdir, out, *, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str = "5GB") -> pathlib.Path:
-    from sweet_jax.models import save_hf
+           max_shard_size: str = "5GB", peft_out: str | None = None) -> pathlib.Path:
+    from sweet_jax.models import lora, save_hf
 
     model, got_step, config = rundir.restore_model(workdir, step)
+    if lora.has_adapters(model):
+        if peft_out:
+            lora.save_peft(model, lora.LoRAConfig.from_config(config.lora), peft_out,
+                           base_model=config.model.path, dtype=dtype)
+            log.info("wrote the LoRA adapter of step %d in PEFT format to %s", got_step, peft_out)
+        model = lora.merge(model)
+    elif peft_out:
+        raise ExportError(f"--peft_out={peft_out}: the run {workdir} has no LoRA adapters (its lora.rank is 0)")
     path = save_hf(model, out, tokenizer_dir=rundir.tokenizer_path(config), dtype=dtype,
                    max_shard_size=max_shard_size)
     log.info("exported step %d of %s to %s", got_step, workdir, path)
@@ -36,7 +47,8 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    path = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size)
+    path = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size,
+                  peft_out=FLAGS.peft_out)
     print(f"exported to {path}")
 
 
@@ -48,6 +60,7 @@ def define_flags():
     flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest readable one)")
     flags.DEFINE_string("dtype", None, "tensor dtype on disk, e.g. bfloat16 (default: the parameter dtype)")
     flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard")
+    flags.DEFINE_string("peft_out", None, "a LoRA run: also write its adapter in PEFT format to this directory")
     flags.mark_flags_as_required(["workdir", "out"])
 
 

@@ -193,6 +193,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
 
     from sweet_jax import sharding, steps
     from sweet_jax.models import Llama
+    from sweet_jax.models.lora import LoRAConfig, add_adapters
 
     # Shapes
     kind = step_kind(config)
@@ -218,7 +219,9 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     optimizer = steps.make_optimizer(lr, 1000, warmup_ratio=config.optim.warmup_ratio,
                                      final_ratio=config.optim.final_ratio, b1=config.optim.b1, b2=config.optim.b2,
                                      weight_decay=config.optim.weight_decay, clip=config.optim.clip)
-    state = steps.abstract_train_state(lambda: Llama(mcfg, rngs=nnx.Rngs(0)), optimizer, mesh)
+    lora = LoRAConfig.from_config(config.get("lora"))  # rank > 0: adapters trained, the base frozen
+    state = steps.abstract_train_state(lambda: add_adapters(Llama(mcfg, rngs=nnx.Rngs(0)), lora), optimizer, mesh,
+                                       trainable=nnx.LoRAParam if lora.enabled else nnx.Param)
     bsh = steps.batch_sharding(mesh)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh)  # noqa: E731
     batch = {"input_ids": sds((B, P, T), jnp.int32), "attention_mask": sds((B, P, T), jnp.int32),
@@ -245,7 +248,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                 model_flops=mcfg.flops_per_token(T) * B * P * T / mesh.devices.size,
                 layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), mcfg.attention_impl
                                   + (f" {mcfg.attention_chunk_size}" if mcfg.attention_impl == "chunked" else "")]
-                                 + (["SP"] if config.model.get("sequence_parallel", False) else [])))
+                                 + (["SP"] if config.model.get("sequence_parallel", False) else [])
+                                 + ([f"LoRA r{lora.rank}"] if lora.enabled else [])))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses programs that exceed HBM

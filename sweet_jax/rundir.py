@@ -72,6 +72,19 @@ def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any,
     return [(prefix.rstrip("."), old, new)] if old != new else []
 
 
+def _new_field_at_its_default(field: str, old: Any, new: Any) -> bool:
+    """A field that a run's saved config predates (e.g. lora.rank), at its default: not a change of the run."""
+    if old is not None:
+        return False
+    from sweet_jax import config_utils
+    default: Any = json.loads(config_json(config_utils.base_config()))
+    for key in field.split("."):
+        if not isinstance(default, dict) or key not in default:
+            return False
+        default = default[key]
+    return default == new
+
+
 def write_config(config, workdir, *, accept_change: bool = False, write: bool = True) -> list[tuple[str, Any, Any]]:
     """Write the run's config. A rerun whose config differs from the saved one is refused, naming the fields,
     unless accept_change: then the change is appended to config_changes.jsonl with the time, and the new config
@@ -82,7 +95,8 @@ def write_config(config, workdir, *, accept_change: bool = False, write: bool = 
     text = config_json(config)
     changes = []
     if path.exists():
-        changes = config_changes(json.loads(path.read_text()), json.loads(text))
+        changes = [change for change in config_changes(json.loads(path.read_text()), json.loads(text))
+                   if not _new_field_at_its_default(*change)]
         if changes and not accept_change:
             shown = "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes[:8])
             more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
@@ -241,9 +255,45 @@ def is_training_run(path) -> bool:
     return (p / CHECKPOINT_DIR).is_dir() and (p / CONFIG_FILE).is_file() and not any(p.glob("*.safetensors"))
 
 
+def build_model(config, llama_config, mesh):
+    """The model to train, sharded on the mesh: HF weights from model.path, or a seeded random init; with
+    config.lora.rank > 0, fresh LoRA adapters on it (models/lora.py: the base weights are then frozen)."""
+    import jax
+    from flax import nnx
+    from sweet_jax import sharding
+    from sweet_jax.config_utils import model_overrides
+    from sweet_jax.models import Llama, load_hf
+    from sweet_jax.models.lora import LoRAConfig, add_adapters
+
+    def with_adapters(model):
+        return add_adapters(model, LoRAConfig.from_config(config.get("lora")), seed=int(config.train.seed))
+
+    if config.model.path:
+        overrides = {k: v for k, v in model_overrides(config).items() if k != "param_dtype"}
+        return with_adapters(load_hf(config.model.path, dtype=llama_config.param_dtype, mesh=mesh,
+                                     config_overrides=overrides))
+    # Random init straight onto the shardings (jit with out_shardings): big presets never sit on one device.
+    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = sharding.param_shardings(abstract_state, mesh)
+    seed = int(config.train.seed)
+    state = jax.jit(lambda: nnx.split(Llama(llama_config, rngs=nnx.Rngs(seed)))[1], out_shardings=shardings)()
+    return with_adapters(nnx.merge(graphdef, state))
+
+
+def lora_trainable(config):
+    """What a run trains (steps.create_train_state's filter): nnx.LoRAParam, the adapters, when config.lora.rank
+    > 0; else every nnx.Param."""
+    from flax import nnx
+    from sweet_jax.models.lora import LoRAConfig
+    return nnx.LoRAParam if LoRAConfig.from_config(config.get("lora")).enabled else nnx.Param
+
+
 def restore_model(workdir, step: int | None = None):
     """(the trained model as an nnx Llama, its step, the run's config) from a training run directory: only
-    the parameters, restored straight onto a mesh over the local devices."""
+    the trained parameters, restored straight onto a mesh over the local devices. A LoRA run's checkpoints
+    hold the adapters: the base is rebuilt as the run built it (model.path or the seeded demo init) and the
+    model comes back with its adapters (models.lora.merge folds them in)."""
     import jax
     from flax import nnx
     from sweet_jax import checkpoint, sharding
@@ -255,8 +305,12 @@ def restore_model(workdir, step: int | None = None):
     tokenizer = load_tokenizer(tokenizer_path(config))
     llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
     mesh = sharding.make_mesh((1, -1, 1))
-    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    trainable = lora_trainable(config)
+    if trainable is nnx.Param:
+        abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    else:
+        graphdef, params, rest = nnx.split(build_model(config, llama_config, mesh), trainable, ...)
     shardings = sharding.param_shardings(params, mesh)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
     ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=0, async_save=False)

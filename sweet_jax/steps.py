@@ -87,20 +87,23 @@ def _sharding_module():
 
 
 def state_shardings(graphdef, params, rest, optimizer, mesh) -> TrainState:
-    """NamedShardings for every leaf of the train state (params by the logical rules, moments like params)."""
+    """NamedShardings for every leaf of the train state (params and the frozen rest, e.g. a LoRA run's base
+    weights, by the logical rules; moments like params)."""
     sh = _sharding_module()
     params_sh = sh.param_shardings(params, mesh)
     opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_sh = sh.opt_state_shardings(opt_shapes, params_sh, mesh)
     repl = NamedSharding(mesh, PartitionSpec())
     return TrainState(graphdef=graphdef, params=params_sh, opt_state=opt_sh, step=repl,
-                      rest=jax.tree.map(lambda _: repl, rest))
+                      rest=sh.param_shardings(rest, mesh))
 
 
 def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
-                       mesh: jax.sharding.Mesh | None = None) -> TrainState:
-    """Split the model, place params (and freshly initialised optimiser moments) on their shardings."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+                       mesh: jax.sharding.Mesh | None = None, *, trainable=nnx.Param) -> TrainState:
+    """Split the model, place params (and freshly initialised optimiser moments) on their shardings.
+    trainable: the variables that are trained and held by the optimiser (nnx.LoRAParam: LoRA's adapters only;
+    the rest, frozen, is in state.rest)."""
+    graphdef, params, rest = nnx.split(model, trainable, ...)
     if mesh is None:
         return TrainState(graphdef=graphdef, params=params, opt_state=optimizer.init(params),
                           step=jnp.zeros((), jnp.int32), rest=rest)
@@ -113,10 +116,10 @@ def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformatio
 
 
 def abstract_train_state(model_fn: Callable[[], nnx.Module], optimizer: optax.GradientTransformation,
-                         mesh: jax.sharding.Mesh) -> TrainState:
+                         mesh: jax.sharding.Mesh, *, trainable=nnx.Param) -> TrainState:
     """The train state as sharded jax.ShapeDtypeStructs, without allocating anything (for AOT compiles)."""
     abstract_model = nnx.eval_shape(model_fn)
-    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract_model, trainable, ...)
     shardings = state_shardings(graphdef, params, rest, optimizer, mesh)
     opt_shapes = jax.eval_shape(optimizer.init, params)
 
@@ -420,12 +423,16 @@ def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, c
     """
     rest = nnx.State({}) if rest is None else rest
 
-    def fn(params, batch):
+    # rest (a LoRA run's frozen base) is an argument: a closed-over array would be compiled in as a constant.
+    def fn(rest, params, batch):
         return _pair_logprobs(graphdef, params, rest, batch, chunk_size)
 
     if mesh is None:
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=(params_shardings, batch_sharding(mesh)), out_shardings=batch_sharding(mesh))
+        jitted = jax.jit(fn)
+    else:
+        jitted = jax.jit(fn, in_shardings=(shardings_of(rest), params_shardings, batch_sharding(mesh)),
+                         out_shardings=batch_sharding(mesh))
+    return lambda params, batch: jitted(rest, params, batch)
 
 
 def make_score_step(graphdef, params_shardings=None, mesh=None, *, num_turns: int = 1,

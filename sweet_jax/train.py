@@ -26,8 +26,8 @@ import numpy as np
 from sweet_jax import cli, config_utils, host_malloc, rundir
 from sweet_jax.errors import SweetJaxError
 # What a run directory holds and how models load live in sweet_jax.rundir; these names are its.
-from sweet_jax.rundir import (CHECKPOINT_DIR, CONFIG_FILE, demo_paths, initialize_distributed,  # noqa: F401
-                              model_config, read_config, tokenizer_path)
+from sweet_jax.rundir import (CHECKPOINT_DIR, CONFIG_FILE, build_model, demo_paths, initialize_distributed,  # noqa: F401
+                              lora_trainable, model_config, read_config, tokenizer_path)
 
 log = logging.getLogger("sweet_jax.train")
 
@@ -73,6 +73,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     shape = tuple(config.mesh.shape)
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
          "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
+    try:
+        from sweet_jax.models.lora import LoRAConfig
+        LoRAConfig.from_config(config.get("lora"))
+    except SweetJaxError as e:
+        raise TrainConfigError(f"config.{e}") from None
     if config.model.path:
         p = pathlib.Path(config.model.path)
         need(p.is_dir() and (p / "config.json").exists(), "model.path",
@@ -280,26 +285,6 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
 # Model
 # ==========================================================================================================
 
-def build_model(config, llama_config, mesh):
-    """The model to train, sharded on the mesh: HF weights from model.path, or a seeded random init."""
-    import jax
-    from flax import nnx
-    from sweet_jax import sharding
-    from sweet_jax.config_utils import model_overrides
-    from sweet_jax.models import Llama, load_hf
-
-    if config.model.path:
-        overrides = {k: v for k, v in model_overrides(config).items() if k != "param_dtype"}
-        return load_hf(config.model.path, dtype=llama_config.param_dtype, mesh=mesh, config_overrides=overrides)
-    # Random init straight onto the shardings (jit with out_shardings): big presets never sit on one device.
-    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = sharding.param_shardings(abstract_state, mesh)
-    seed = int(config.train.seed)
-    state = jax.jit(lambda: nnx.split(Llama(llama_config, rngs=nnx.Rngs(seed)))[1], out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
-
-
 # ==========================================================================================================
 # Moving batches onto the mesh, the reference pass, evaluation
 # ==========================================================================================================
@@ -372,15 +357,17 @@ def make_eval_fn(config, state, mesh, spec):
 
     graphdef, rest = state.graphdef, state.rest
 
-    def fn(params, batch, ref_params=None):
+    # rest (a LoRA run's frozen base) is an argument: a closed-over array would be compiled in as a constant.
+    def fn(rest, params, batch, ref_params=None):
         _, metrics = steps.pair_loss(spec, graphdef, params, rest, batch, ref_params, spec.denominator(batch))
         return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in metrics.items()}
 
     params_sh = steps.shardings_of(state.params)
-    in_sh = (params_sh, steps.batch_sharding(mesh))
+    in_sh = (steps.shardings_of(rest), params_sh, steps.batch_sharding(mesh))
     if config.train.ref_logp == "in_step" and spec.needs_ref:
         in_sh = in_sh + (params_sh,)
-    return jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return lambda params, batch, *ref_params: jitted(rest, params, batch, *ref_params)
 
 
 def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_params=None) -> dict:
@@ -543,8 +530,13 @@ class Trainer:
                     where=f"the tokenizer {tokenizer_path(config)}")
         model = build_model(config, self.llama_config, mesh)
         optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
-        self.state = steps.create_train_state(model, optimizer, mesh)
+        self.state = steps.create_train_state(model, optimizer, mesh, trainable=lora_trainable(config))
         del model
+        if config.lora.rank:
+            trained = sum(x.size for x in jax.tree.leaves(self.state.params))
+            frozen = sum(x.size for x in jax.tree.leaves(self.state.rest))
+            log.info("LoRA rank %d on %s: %d adapter parameters trained (%.2f%% of the %d frozen base parameters)",
+                     config.lora.rank, config.lora.targets, trained, 100 * trained / max(frozen, 1), frozen)
         # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
         # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
         mesh_scope.enter_context(jax.set_mesh(mesh))

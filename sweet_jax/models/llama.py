@@ -316,6 +316,48 @@ class Dense(nnx.Module):
         out_dims = [i for i, d in enumerate(kernel_sub) if d in out_sub]  # the bias covers the output axes
         self.bias = (_param(rngs, tuple(shape[i] for i in out_dims), tuple(axes[i] for i in out_dims),
                             param_dtype, "zeros") if bias else None)
+        # LoRA adapters (models/lora.py add_adapters): none by default; data attributes, so they can become Variables.
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
+        self.lora_scale = 0.0
+
+    def _lora_einsums(self) -> tuple[str, str, str]:
+        """(x @ A, (x @ A) @ B, A @ B) as einsums over the kernel's axes; R is the adapter rank."""
+        x_sub, rest = self.einsum_str.split(",")
+        kernel_sub, out_sub = rest.split("->")
+        in_sub = "".join(d for d in kernel_sub if d not in out_sub)
+        out_k = "".join(d for d in kernel_sub if d in out_sub)
+        x_left = "".join(d for d in x_sub if d not in in_sub)
+        return f"{x_sub},{in_sub}R->{x_left}R", f"{x_left}R,R{out_k}->{out_sub}", f"{in_sub}R,R{out_k}->{kernel_sub}"
+
+    def add_lora(self, rank: int, scale: float, key, *, stacked: bool = False):
+        """Attach adapters A [in..., rank] (uniform +-1/sqrt(fan_in), PEFT's init) and B [rank, out...] (zeros) as
+        nnx.LoRAParam, with the kernel's logical axes; stacked: the kernel is a scanned stack [L, ...] and so are
+        the adapters. At least float32 (the trained copy) whatever the frozen kernel's dtype."""
+        kernel_sub = self.einsum_str.split("->")[0].split(",")[1]
+        out_sub = self.einsum_str.split("->")[1]
+        n_lead = 1 if stacked else 0
+        shape, axes = self.kernel.shape, tuple(self.kernel.get_metadata().get("out_sharding"))
+        ins = [n_lead + i for i, d in enumerate(kernel_sub) if d not in out_sub]
+        outs = [n_lead + i for i, d in enumerate(kernel_sub) if d in out_sub]
+        pick = lambda t, idx: tuple(t[:n_lead]) + tuple(t[i] for i in idx)  # noqa: E731
+        bound = 1.0 / math.sqrt(math.prod(shape[i] for i in ins))
+        dtype = jnp.promote_types(self.kernel.dtype, jnp.float32)
+        a = jax.random.uniform(key, pick(shape, ins) + (rank,), jnp.float32, -bound, bound).astype(dtype)
+        self.lora_a = nnx.LoRAParam(a, out_sharding=pick(axes, ins) + ("lora_rank",), eager_sharding=False)
+        b_shape = pick(shape, outs)[:n_lead] + (rank,) + pick(shape, outs)[n_lead:]
+        self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, dtype), eager_sharding=False,
+                                    out_sharding=pick(axes, outs)[:n_lead] + ("lora_rank",) + pick(axes, outs)[n_lead:])
+        self.lora_scale = float(scale)
+
+    def merge_lora(self):
+        """Fold the adapters into the kernel (W + scale * A @ B, in float32) and drop them."""
+        merge = self._lora_einsums()[2]
+        if self.lora_a[...].ndim > len(merge.split(",")[0]):  # a scanned stack: one more leading axis
+            merge = "L" + merge.replace(",", ",L").replace("->", "->L")
+        delta = jnp.einsum(merge, self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32))
+        self.kernel.set_value((self.kernel[...].astype(jnp.float32) + self.lora_scale * delta).astype(self.kernel.dtype))
+        self.lora_a = self.lora_b = None
+        self.lora_scale = 0.0
 
     def __call__(self, x, *, flat_contraction: bool = False):
         """flat_contraction: contract the kernel's leading axes (o_proj's heads and head_dim) as one flattened
@@ -330,6 +372,11 @@ class Dense(nnx.Module):
                            kernel.reshape((-1,) + kernel.shape[self.contracted:]))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora_a is not None:  # LoRA: + scale * (x @ A) @ B, after the bias as PEFT adds it
+            to_rank, from_rank, _ = self._lora_einsums()
+            x_R = jnp.einsum(to_rank, x, self.lora_a[...].astype(self.dtype))
+            y = y + jnp.einsum(from_rank, x_R, self.lora_b[...].astype(self.dtype)) * jnp.asarray(self.lora_scale,
+                                                                                              self.dtype)
         return y
 
 
@@ -423,8 +470,9 @@ class MLP(nnx.Module):
         # The hand-written backward only for 32/64-bit compute (the CPU): with bf16 compute on a TPU, autodiff's
         # backward keeps the elementwise part in bf16 and XLA plans it in less memory (the 8B policy step at
         # 16384 on v5p-8: 61.1 GiB of temps per chip, 79.0 with `swiglu`, which then no longer fits).
-        if self.gate_proj.bias is None and jnp.finfo(self.gate_proj.dtype).bits >= 32:  # Llama: no MLP bias
-            dense = (self.gate_proj, self.up_proj, self.down_proj)
+        dense = (self.gate_proj, self.up_proj, self.down_proj)
+        if (self.gate_proj.bias is None and jnp.finfo(self.gate_proj.dtype).bits >= 32  # Llama: no MLP bias
+                and all(d.lora_a is None for d in dense)):  # LoRA adapters: the plain formula below
             return swiglu(x_BTD, *(d.kernel[...].astype(d.dtype) for d in dense))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
