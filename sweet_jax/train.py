@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -350,14 +351,15 @@ def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding
 
 
 def make_eval_fn(config, state, mesh, spec):
-    """eval(params, batch[, ref_params]) -> the loss's metrics, no gradient (same LossSpec as the step)."""
+    """eval(rest, params, batch[, ref_params]) -> the loss's metrics, no gradient (same LossSpec as the step).
+    rest: the train state's current non-trained variables (a LoRA run's frozen base): an argument, not a closure,
+    since a closed-over array is compiled in as a constant and the train step donates the state it was in."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
     from sweet_jax import steps
 
     graphdef, rest = state.graphdef, state.rest
 
-    # rest (a LoRA run's frozen base) is an argument: a closed-over array would be compiled in as a constant.
     def fn(rest, params, batch, ref_params=None):
         _, metrics = steps.pair_loss(spec, graphdef, params, rest, batch, ref_params, spec.denominator(batch))
         return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in metrics.items()}
@@ -366,8 +368,7 @@ def make_eval_fn(config, state, mesh, spec):
     in_sh = (steps.shardings_of(rest), params_sh, steps.batch_sharding(mesh))
     if config.train.ref_logp == "in_step" and spec.needs_ref:
         in_sh = in_sh + (params_sh,)
-    jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    return lambda params, batch, *ref_params: jitted(rest, params, batch, *ref_params)
+    return jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_params=None) -> dict:
@@ -619,7 +620,8 @@ class Trainer:
 
     def run_eval(self, at_step: int) -> None:
         if self.eval_set.num_examples:
-            self.last_eval = rename_metrics(evaluate(self.eval_fn, self.state.params, self.eval_set, self.make_batches,
+            eval_fn = functools.partial(self.eval_fn, self.state.rest)
+            self.last_eval = rename_metrics(evaluate(eval_fn, self.state.params, self.eval_set, self.make_batches,
                                                      self.batch_sh, self.ref_params))
             self.writer.write(at_step, self.last_eval, split="eval")
             log.info("eval at step %d: %s", at_step, {k: round(v, 4) for k, v in self.last_eval.items()})
