@@ -97,10 +97,10 @@ def test_merged_export_and_peft_adapter_load_in_transformers_with_the_adapted_lo
 STEPS = 8
 
 
-def lora_critic_config(data, **overrides):
-    return demo_config(file="critic.py", preset="demo_lora", data__trajectories=str(data), data__max_len=256,
-                       data__bucket=256, train__num_steps=STEPS, train__ckpt_every=2, train__eval_every=STEPS,
-                       data__eval_fraction=0.3, **overrides)
+def lora_critic_config(**overrides):
+    """The demo_lora critic at 256 tokens, 8 steps."""
+    return demo_config(file="critic.py", preset="demo_lora", data__max_len=256, data__bucket=256,
+                       train__num_steps=STEPS, train__ckpt_every=2, train__eval_every=STEPS, **overrides)
 
 
 def records(workdir, split):
@@ -109,15 +109,21 @@ def records(workdir, split):
 
 
 @pytest.fixture(scope="module")
-def critic_data(tmp_path_factory):
-    return small_trajectories(tmp_path_factory.mktemp("lora_data") / "trajectories.jsonl", num_tasks=10)
+def straight_lora_run(tmp_path_factory):
+    """10 demo tasks, 3 of them held out."""
+    from sweet_jax import train
+    tmp = tmp_path_factory.mktemp("lora_straight")
+    data = small_trajectories(tmp / "trajectories.jsonl", num_tasks=10)
+    train.run(lora_critic_config(data__trajectories=str(data), data__eval_fraction=0.3), tmp / "run")
+    return tmp / "run"
 
 
 @pytest.fixture(scope="module")
-def straight_lora_run(tmp_path_factory, critic_data):
+def straight_lora_run_all_data(tmp_path_factory):
+    """The bundled demo data: the uninterrupted run the resume test compares with."""
     from sweet_jax import train
-    workdir = tmp_path_factory.mktemp("lora_straight") / "run"
-    train.run(lora_critic_config(critic_data), workdir)
+    workdir = tmp_path_factory.mktemp("lora_straight_all") / "run"
+    train.run(lora_critic_config(), workdir)
     return workdir
 
 
@@ -125,9 +131,11 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
     from sweet_jax import rundir
     from sweet_jax.models.lora import TARGETS
 
-    evals = records(straight_lora_run, "eval")
+    evals, trains = records(straight_lora_run, "eval"), records(straight_lora_run, "train")
     assert evals[0]["step"] == 0 and evals[0]["pair_accuracy"] == 0.0  # adapters at zero: every pair ties
-    assert evals[-1]["step"] == STEPS and evals[-1]["pair_accuracy"] > 0.5 and evals[-1]["loss"] < np.log(2)
+    assert evals[0]["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    assert evals[-1]["step"] == STEPS and evals[-1]["pair_accuracy"] > evals[0]["pair_accuracy"]
+    assert trains[-1]["pair_accuracy"] > 0.5 and trains[-1]["loss"] < trains[0]["loss"]
 
     # The checkpoint holds the adapters alone; the base is the seeded demo model, untouched by training.
     model, step, config = rundir.restore_model(straight_lora_run)
@@ -142,7 +150,7 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
         np.testing.assert_array_equal(np.asarray(frozen[path][...]), np.asarray(var[...]), err_msg=str(path))
 
 
-def test_lora_run_resumes_bit_exactly(straight_lora_run, critic_data, tmp_path, monkeypatch):
+def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monkeypatch):
     from sweet_jax import rundir, steps, train
 
     real_factory = steps.make_critic_step
@@ -156,7 +164,7 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run, critic_data, tmp_path, 
             return step_fn(state, batch, *rest)
         return step_with_sigterm
 
-    config = lora_critic_config(critic_data)
+    config = lora_critic_config()
     with monkeypatch.context() as m:
         m.setattr(steps, "make_critic_step", factory_sigterm_in_step_3)
         with pytest.raises(train.Preempted):
@@ -164,11 +172,11 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run, critic_data, tmp_path, 
     train.run(config, tmp_path / "run")  # resumes from step 3's checkpoint
 
     fields = ("loss", "pair_accuracy", "margin", "grad_norm", "lr")
-    resumed, straight = records(tmp_path / "run", "train"), records(straight_lora_run, "train")
+    resumed, straight = records(tmp_path / "run", "train"), records(straight_lora_run_all_data, "train")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [[r[f] for f in fields] for r in resumed] == [[r[f] for f in fields] for r in straight]
     got, want = (nnx.to_flat_state(nnx.state(rundir.restore_model(w)[0], nnx.LoRAParam))
-                 for w in (tmp_path / "run", straight_lora_run))
+                 for w in (tmp_path / "run", straight_lora_run_all_data))
     for (path, a), (_, b) in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
