@@ -2,7 +2,8 @@
 
 Every `python -m sweet_jax.NAME` ends in `cli.run(main, ...)`, which
   - re-executes once with the host allocator (host_malloc) where the command computes,
-  - keeps a CPU host quiet: no TPU-probe, libtpu, TensorFlow or transformers advisory lines,
+  - keeps a CPU host quiet: no TPU probe (JAX_PLATFORMS=cpu where no accelerator device exists), no libtpu,
+    TensorFlow or transformers advisory lines,
   - finds `--config configs/NAME.py:PRESET` from any working directory and after any install (the presets ship
     inside the package as sweet_jax.configs; a path that exists where the command runs wins),
   - answers `--help` with what a user sets: the command's flags, the config's presets and its fields,
@@ -46,13 +47,22 @@ class RunInterrupted(Exception):
 # Before anything heavy is imported
 # ==========================================================================================================
 
-def quiet_environment(environ=os.environ) -> None:
+def quiet_environment(environ=os.environ, *, dev: str = "/", platform: str = sys.platform) -> None:
     """Environment variables that silence advisory output of the libraries below us (each one only if the user
-    has not set it): transformers' "PyTorch was not found", TensorFlow's C++ info lines (tfds imports it)."""
+    has not set it): transformers' "PyTorch was not found", TensorFlow's C++ info lines (tfds imports it).
+
+    On a Linux host without a TPU or GPU device node (`dev`: the root to look under, for tests), JAX_PLATFORMS=cpu:
+    with libtpu installed (the planner's extra) jax would otherwise load it and probe for TPU chips at its first
+    use, which costs a second and, while another process holds /tmp/libtpu_lockfile, prints libtpu's error with
+    its '=== Source Location Trace' on stderr. Without a device node the CPU is all jax can use there anyway."""
     environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    if platform.startswith("linux") and "JAX_PLATFORMS" not in environ:
+        from sweet_jax import host_malloc
+        if not host_malloc.accelerator_present(dev):
+            environ["JAX_PLATFORMS"] = "cpu"
 
 
 def configs_dir() -> pathlib.Path | None:

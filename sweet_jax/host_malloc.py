@@ -7,7 +7,7 @@ page faults and 0.8-4 s of kernel time a step on a 2-core machine, a third of th
 run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command lines
 re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
 
-  (unset)    tcmalloc on a host that computes on its CPU; the system allocator where a TPU or an NVIDIA GPU is
+  (unset)    tcmalloc on a host that computes on its CPU; the system allocator where a TPU or a GPU is
              present or JAX_PLATFORMS names no cpu (there the step's temporaries live in device memory, and
              tcmalloc under libtpu / CUDA is not what was measured).
   tcmalloc   LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks are kept and
@@ -33,7 +33,14 @@ DONE_VAR = "SWEET_JAX_MALLOC_APPLIED"  # set in the re-executed process: never r
 MODES = ("tcmalloc", "hugepages", "system")
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
-ACCELERATOR_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")  # TPU v4+, TPU v5e/v6e, GPU
+# TPU v4+, TPU v5e/v6e, NVIDIA GPU, AMD GPU (ROCm)
+ACCELERATOR_DEVICES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def accelerator_present(dev: str = "/") -> bool:
+    """Whether a TPU or GPU device node exists (`dev`: the root to look under, for tests)."""
+    root = pathlib.Path(dev)
+    return any(any(root.glob(pattern.lstrip("/"))) for pattern in ACCELERATOR_DEVICES)
 
 
 def computes_on_cpu(environ: dict[str, str], dev: str = "/") -> bool:
@@ -42,8 +49,7 @@ def computes_on_cpu(environ: dict[str, str], dev: str = "/") -> bool:
     platforms = environ.get("JAX_PLATFORMS", "").lower()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    root = pathlib.Path(dev)
-    return not any(any(root.glob(pattern.lstrip("/"))) for pattern in ACCELERATOR_DEVICES)
+    return not accelerator_present(dev)
 
 
 def glibc_version() -> tuple[int, int] | None:

@@ -79,6 +79,46 @@ def test_help_lists_the_flags_presets_and_fields(tmp_path):
     assert proc.returncode == 0 and "configs/rank.py:PRESET" in proc.stdout, proc.stderr[-2000:]
 
 
+# What libtpu and jax print when they probe for TPU chips (the C++ logs at TF_CPP_MIN_LOG_LEVEL=0, the error block
+# libtpu prints while another process holds /tmp/libtpu_lockfile) and transformers' advisories.
+PROBE_LINES = ("libtpu", "Source Location Trace", "TPU platform", "backend 'tpu'", "PyTorch was not found",
+               "None of PyTorch")
+
+
+def test_a_cpu_host_with_libtpu_installed_prints_no_tpu_probe(tmp_path):
+    """With libtpu installed (the planner's extra: CI installs it) and no TPU, a command's first use of jax
+    loads no libtpu: nothing of the probe on stderr, even with libtpu's C++ info logs switched on."""
+    import importlib.util
+    assert importlib.util.find_spec("libtpu") is not None, "install the plan extra: pip install -e '.[plan]'"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="0")
+    # The mesh needs 3 devices: an error that comes only after jax has counted its devices.
+    proc = subprocess.run([sys.executable, "-m", "sweet_jax.train", "--config=configs/critic.py:demo",
+                           f"--workdir={tmp_path / 'run'}", "--config.mesh.shape=(1,3,1)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "needs 3 devices, but this run has 1" in proc.stderr, proc.stderr[-3000:]
+    for needle in PROBE_LINES:
+        assert needle not in proc.stderr, (needle, proc.stderr[-3000:])
+
+
+def test_quiet_environment_runs_jax_on_the_cpu_only_where_no_accelerator_exists(tmp_path):
+    for devices, user, want in [((), {}, "cpu"), (("dev/accel0",), {}, None), (("dev/vfio/0",), {}, None),
+                                (("dev/nvidia0",), {}, None), ((), {"JAX_PLATFORMS": ""}, ""),
+                                ((), {"JAX_PLATFORMS": "tpu"}, "tpu")]:
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for device in devices:
+            (root / device).parent.mkdir(parents=True, exist_ok=True)
+            (root / device).touch()
+        root.mkdir(exist_ok=True)
+        environ = dict(user)
+        cli.quiet_environment(environ, dev=str(root), platform="linux")
+        assert environ.get("JAX_PLATFORMS") == want, (devices, user, environ)
+        assert environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+    environ = {}
+    cli.quiet_environment(environ, dev=str(tmp_path / "0"), platform="darwin")  # jax-metal has no device node
+    assert "JAX_PLATFORMS" not in environ
+
+
 def test_serve_a_missing_model_directory(tmp_path):
     assert_one_line_error(command("sweet_jax.serve", "--model", "/nope", "--port", "0", cwd=tmp_path), "/nope")
 

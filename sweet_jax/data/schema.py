@@ -80,6 +80,22 @@ class Task:
                    {k: v for k, v in obj.items() if k not in known})
 
 
+def task_field(task: Any, name: str, default: Any = None) -> Any:
+    """A task's field, from a Task or from its JSON form (a dict, as the environments and the sandbox get it)."""
+    if isinstance(task, dict):
+        return task.get(name, default)
+    return getattr(task, name, default)
+
+
+def task_json(task: Any) -> dict:
+    """A task in the official JSONL form (a dict): a dict as it is, a Task by its to_json()."""
+    if isinstance(task, dict):
+        return dict(task)
+    if hasattr(task, "to_json"):
+        return task.to_json()
+    return dataclasses.asdict(task)
+
+
 @dataclasses.dataclass(frozen=True)
 class Turn:
     role: str

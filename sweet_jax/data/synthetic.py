@@ -28,7 +28,6 @@ is right one time in ten.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -36,6 +35,7 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
+from sweet_jax import cli
 from sweet_jax.errors import SweetJaxError
 
 
@@ -217,7 +217,7 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Write synthetic collaborative ColBench tasks (and demos).")
+    parser = cli.ArgumentParser(description="Write synthetic collaborative ColBench tasks (and demos).")
     parser.add_argument("--num-tasks", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-keys", type=int, default=2)
@@ -244,4 +244,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, allocator=False)

@@ -14,25 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sweet_jax.data.schema import task_field, task_json
 from sweet_jax.envs.prompts import ANSWER_MARKER, HUMAN_RESPONSE_CHAR_LIMIT, OUTPUT_MARKER
 
 NO_ANSWER = "No answer"  # the official environment's answer before the agent gives one
-
-
-def task_field(task: Any, name: str, default: Any = None) -> Any:
-    """Read a task field from a dict or a dataclass (data.Task) alike."""
-    if isinstance(task, dict):
-        return task.get(name, default)
-    return getattr(task, name, default)
-
-
-def task_json(task: Any) -> dict:
-    """The task in the official JSONL form (a dict); data.Task objects provide .to_json()."""
-    if isinstance(task, dict):
-        return dict(task)
-    if hasattr(task, "to_json"):
-        return task.to_json()
-    return dataclasses.asdict(task)
 
 
 def hidden_information(task: Any) -> str:

@@ -464,4 +464,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from sweet_jax import cli
+    cli.run(main, allocator=False)  # the harness's quiet CPU host (no libtpu probe) and one-line errors

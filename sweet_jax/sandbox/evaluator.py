@@ -53,6 +53,7 @@ import threading
 import time
 import warnings
 
+from sweet_jax.data.schema import task_field
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox import protocol
 
@@ -90,13 +91,6 @@ class Score:
 
 # ----------------------------------------------------------------------------------------------
 # Answers and tasks
-
-
-def task_field(task, name, default=None):
-    """Reads a task field from a dict or from an object (data.Task) alike."""
-    if isinstance(task, dict):
-        return task.get(name, default)
-    return getattr(task, name, default)
 
 
 def task_cases(task):
