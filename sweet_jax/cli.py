@@ -186,31 +186,73 @@ def _load_config_module(path: pathlib.Path):
     return module
 
 
-def config_fields_text(config, width: int = 110) -> str:
-    """Every field of a config as `section: field=value ...` lines, wrapped."""
+def field_comments(*paths: pathlib.Path) -> dict[str, str]:
+    """What each config field means, read from where it is created: `c.data.max_len = 1024  # tokens per
+    sequence` in a config file (or config_utils.base_config) -> {'data.max_len': 'tokens per sequence'}."""
+    import io
+    import tokenize
+
+    comments: dict[str, str] = {}
+    for path in paths:
+        try:
+            tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+        except (OSError, SyntaxError, tokenize.TokenError):
+            continue
+        by_line: dict[int, list] = {}
+        for tok in tokens:
+            by_line.setdefault(tok.start[0], []).append(tok)
+        for line in by_line.values():
+            words = [t for t in line if t.type not in (tokenize.INDENT, tokenize.DEDENT, tokenize.NL,
+                                                       tokenize.NEWLINE)]
+            if len(words) < 5 or words[-1].type != tokenize.COMMENT or words[0].type != tokenize.NAME:
+                continue
+            names, i = [], 1  # `c` `.` NAME (`.` NAME)* `=`
+            while i + 1 < len(words) and words[i].string == "." and words[i + 1].type == tokenize.NAME:
+                names.append(words[i + 1].string)
+                i += 2
+            if names and i < len(words) and words[i].string == "=":
+                comments.setdefault(".".join(names), words[-1].string.lstrip("#").strip())
+    return comments
+
+
+def _leaves(config, prefix: str = "") -> dict[str, Any]:
     import ml_collections
+    out: dict[str, Any] = {}
+    for key in sorted(config.keys()):
+        value = config[key]
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
+
+def config_fields_text(config, comments: dict[str, str] | None = None, *, only: set[str] | None = None,
+                       width: int = 110) -> str:
+    """Every field of a config (or those in `only`), one a line: `  section.field=value   what it is`."""
+    comments = comments or {}
+    leaves = {k: v for k, v in _leaves(config).items() if only is None or k in only}
+    column = min(max((len(f"{k}={v!r}") for k, v in leaves.items()), default=0) + 4, 44)
     lines = []
-
-    def walk(node, prefix):
-        leaves = []
-        for key in sorted(node.keys()):
-            value = node[key]
-            if isinstance(value, ml_collections.ConfigDict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                leaves.append(f"{key}={value!r}")
-        if leaves:
-            lines.append(textwrap.fill(" ".join(leaves), width, initial_indent=f"  {prefix.rstrip('.') or '(top)'}: ",
-                                       subsequent_indent="      "))
-    walk(config, "")
+    for key, value in leaves.items():
+        setting = f"  {key}={value!r}"
+        comment = comments.get(key, "")
+        if not comment:
+            lines.append(setting)
+            continue
+        pad = setting.ljust(column) if len(setting) < column else setting + "  "
+        lines.append(textwrap.fill(comment, width, initial_indent=pad, subsequent_indent=" " * len(pad))
+                     if len(pad) < width - 20 else pad + comment)
     return "\n".join(lines)
 
 
 def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
-    """The presets (the config file's docstring) and the fields of the chosen (or default) preset."""
+    """The presets (the config file's docstring) and the fields of the chosen (or default) preset, with what
+    each means (the comments where the fields are created); a second config file's fields only where its
+    preset's values differ from the first one's."""
     out = []
     files = [config_arg] if config_arg else list(default_files)
+    shown_leaves: dict[str, Any] | None = None
     for value in files:
         file, _, preset = resolve_config(value).partition(":")
         path = pathlib.Path(file)
@@ -225,8 +267,18 @@ def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
         except Exception as e:  # noqa: BLE001 - an unknown preset: say so, still print the rest
             out.append(f"  ({e})")
             continue
-        out.append(f"fields of {shown}:{preset or '(default)'} (set any with --config.SECTION.FIELD=VALUE):\n"
-                   + config_fields_text(config))
+        leaves = _leaves(config)
+        # The shared training fields are defined (and explained) in config_utils; a preset's own comments say
+        # why it sets a value, so the definition's comment wins.
+        comments = field_comments(PACKAGE_DIR / "config_utils.py", path)
+        name = f"{shown}:{preset or '(default)'}"
+        if shown_leaves is not None and set(leaves) == set(shown_leaves):
+            differ = {k for k, v in leaves.items() if shown_leaves[k] != v}
+            out.append(f"fields of {name}: as above, except\n" + config_fields_text(config, comments, only=differ))
+            continue
+        shown_leaves = leaves
+        out.append(f"fields of {name} (set any with --config.SECTION.FIELD=VALUE):\n"
+                   + config_fields_text(config, comments))
     return "\n\n".join(out)
 
 
@@ -236,6 +288,10 @@ def _flag_lines(names: Sequence[str]) -> str:
     for name in names:
         flag = flags.FLAGS[name]
         default = "" if flag.default is None else f" (default {flag.default!r})"
+        if flag.default is not None and not isinstance(flag.default, (str, int, float, bool)):
+            # a config file flag: its default is the loaded ConfigDict; name the file:preset it came from
+            file, _, preset = (flag.default_as_str or "").strip("'\"").partition(":")
+            default = f" (default configs/{pathlib.Path(file).name}:{preset})" if file else ""
         lines.append(f"  --{name}: {flag.help}{default}")
     return "\n".join(lines)
 

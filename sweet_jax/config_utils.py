@@ -52,35 +52,35 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 8            # pairs per optimiser step (global, over all hosts)
     c.train.micro_batch_size = 0      # pairs per forward/backward; 0: on CPU steps.auto_micro_batch_size, else batch_size
-    c.train.epochs = 1
+    c.train.epochs = 1                # passes over the training examples (when num_steps is 0)
     c.train.num_steps = 0             # > 0 overrides epochs
-    c.train.seed = 0
-    c.train.log_every = 1
+    c.train.seed = 0                  # model init, data order and the held-out split
+    c.train.log_every = 1             # a metrics.jsonl line every N steps
     c.train.eval_every = 0            # 0 = only at the end
     c.train.ckpt_every = 100          # 0 = only at the end (and on SIGTERM)
-    c.train.keep_ckpts = 3
+    c.train.keep_ckpts = 3            # checkpoints kept (the newest)
     c.train.ref_logp = "precompute"   # precompute (one pass before training) | in_step
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.lr = 2e-7
-    c.optim.warmup_ratio = 0.03
+    c.optim.lr = 2e-7                 # peak learning rate: linear warm-up, then cosine down to final_ratio x lr
+    c.optim.warmup_ratio = 0.03       # fraction of the steps spent warming up
     c.optim.final_ratio = 0.1
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.weight_decay = 0.0
-    c.optim.clip = 1.0
+    c.optim.clip = 1.0                # global gradient-norm clip
 
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft
-    c.loss.beta = 0.1
+    c.loss.beta = 0.1                 # DPO / Bradley-Terry scale of the log-ratio margins
     c.loss.advantage_norm = "turn_mean"  # turn_mean (paper) | trajectory_mean (official code) | sum
-    c.loss.nll_coef = 0.0
+    c.loss.nll_coef = 0.0             # DPO: weight of the chosen reply's NLL (SWEET-RL actor: 0.01)
     c.loss.nll_scope = "reply"        # reply (the paper) | sequence (official: the whole chosen sequence's NLL)
-    c.loss.label_smoothing = 0.0
+    c.loss.label_smoothing = 0.0      # DPO: probability that a pair's preference is flipped (conservative DPO)
     c.loss.use_info = True            # critic sees the training-time information c (False = the "without c" baseline)
-    # True: the log-probs (unembedding, vocabulary softmax, their backward) run at the action tokens only, the
-    # batch's score_pos; the same loss, less work where most tokens are prompt, dialogue or history.
-    c.loss.score_positions = True
+    # The log-probs (unembedding, vocabulary softmax, their backward) at the batch's score_pos: the same loss, less
+    # work where most tokens are prompt, dialogue or history.
+    c.loss.score_positions = True     # log-probs at the action tokens only (True) or at every token
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices

@@ -1,4 +1,4 @@
-"""Scores ColBench backend trajectories in the sandbox and writes them back with `reward` set.
+r"""Scores ColBench backend trajectories in the sandbox and writes them back with `reward` set.
 
     python -m sweet_jax.evaluate TRAJECTORIES.jsonl --out SCORED.jsonl [--details] \
         [--compat strict|sweet_rl] [--workers N] [--timeout-s 2.0]

@@ -1,4 +1,4 @@
-"""Will this training step fit on that TPU slice? Compile it ahead of time and read the per-chip memory.
+r"""Will this training step fit on that TPU slice? Compile it ahead of time and read the per-chip memory.
 
     python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.data.max_len=16384 --topology v5p-8

@@ -1,4 +1,4 @@
-"""Train the SWEET-RL critic or policy (and the baselines):
+r"""Train the SWEET-RL critic or policy (and the baselines):
 
     python -m sweet_jax.train --config configs/critic.py:demo --workdir /tmp/critic
     python -m sweet_jax.train --config configs/critic.py:llama3_8b --workdir gs://b/run \

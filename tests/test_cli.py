@@ -68,9 +68,20 @@ def test_help_lists_the_flags_presets_and_fields(tmp_path):
     proc = command("sweet_jax.train", "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     for needle in ("--workdir", "--config configs/critic.py:PRESET", "demo_no_info", "configs/policy.py:PRESET",
-                   "optim: ", "lr=0.003", "model: ", "path=''", "--config.SECTION.FIELD=VALUE"):
+                   "optim.lr=0.003", "--config.SECTION.FIELD=VALUE", "fields of configs/policy.py:demo: as above"):
         assert needle in proc.stdout, needle
+    lines = proc.stdout.splitlines()
+    # Each field with what it means (the comment where config_utils creates it); the policy preset only where
+    # it differs from the critic's.
+    assert any(line.split() == ["model.path=''", "HF", "checkpoint", "directory;", "''", "=", "the", "demo", "tiny",
+                                "random", "model"] for line in lines), proc.stdout
+    policy = proc.stdout.split("fields of configs/policy.py:demo: as above, except")[1]
+    assert "loss.kind='dpo'" in policy and "data.max_len" not in policy
     assert "--helpfull" not in proc.stdout and "absl" not in proc.stdout
+    proc = command("sweet_jax.rollout", "--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "  --config: rollout config (file:preset) (default configs/rollout.py:demo)\n" \
+        in proc.stdout, proc.stdout[:3000]
+    assert "best_of=2" in proc.stdout and "k episodes per task" in proc.stdout
     proc = command("sweet_jax.cli", "--help", cwd=tmp_path)  # `sweet-jax --help`
     assert proc.returncode == 0 and all(name in proc.stdout for name in cli.COMMANDS), proc.stdout
     proc = command("sweet_jax.cli", "trian", cwd=tmp_path)
@@ -117,6 +128,17 @@ def test_quiet_environment_runs_jax_on_the_cpu_only_where_no_accelerator_exists(
     environ = {}
     cli.quiet_environment(environ, dev=str(tmp_path / "0"), platform="darwin")  # jax-metal has no device node
     assert "JAX_PLATFORMS" not in environ
+
+
+def test_field_comments_are_read_from_where_the_fields_are_created(tmp_path):
+    path = tmp_path / "conf.py"
+    path.write_text("def get_config():\n"
+                    "    c = ml_collections.ConfigDict()\n"
+                    "    c.data.max_len = 1024  # tokens per sequence\n"
+                    "    c.note = 'a # in a string'\n"
+                    "    c.data.max_len = 8  # why this preset sets it (the definition's comment wins)\n"
+                    "    x = 3  # not a field\n")
+    assert cli.field_comments(path) == {"data.max_len": "tokens per sequence"}
 
 
 def test_serve_a_missing_model_directory(tmp_path):

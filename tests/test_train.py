@@ -413,10 +413,14 @@ def test_metrics_log_drops_records_past_the_resume_point_and_plots(tmp_path):
     writer.write(4, {"loss": 0.3}, split="eval")
     writer.close()
     resumed = metrics.MetricsWriter(tmp_path, resume_step=2)  # steps 3, 4 will be trained again
+    resumed.write(2, {"loss": 9.0})  # step 2 is logged already: not again
     resumed.write(3, {"loss": 0.2})
+    resumed.write(3, {"loss": 0.25}, split="eval")
+    resumed.write(3, {"loss": 0.26}, split="eval")  # an eval of a step already evaluated: one line
     resumed.close()
     rows = metrics.read_metrics(tmp_path / "metrics.jsonl")
-    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(1, "train", 1.0), (2, "train", 0.5), (3, "train", 0.2)]
+    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(1, "train", 1.0), (2, "train", 0.5), (3, "train", 0.2),
+                                                                  (3, "eval", 0.25)]
     png = metrics.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 

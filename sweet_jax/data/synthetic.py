@@ -1,4 +1,4 @@
-"""A synthetic collaborative task family where credit assignment matters, small enough for CPU.
+r"""A synthetic collaborative task family where credit assignment matters, small enough for CPU.
 
 Each task asks for a lookup function whose constants only the (scripted) human knows:
 
