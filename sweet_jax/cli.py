@@ -307,11 +307,12 @@ def _module_doc(module_name: str) -> str:
 # Flag errors of the config commands
 # ==========================================================================================================
 
-def config_flag_error(argv: Sequence[str], error: Exception) -> str:
-    """One line for a failed flag parse: an unknown --config.FIELD names itself and the closest field."""
+def config_flag_error(argv: Sequence[str], error: Exception, *, default_config: str | None = None) -> str:
+    """One line for a failed flag parse: an unknown --config.FIELD names itself and the closest field.
+    default_config: the config file:preset the command uses without --config."""
     import ml_collections
 
-    config_value = None
+    config_value = default_config
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
             config_value = arg[len("--config="):]
@@ -374,7 +375,10 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
     argv = [sys.argv[0]] + resolve_config_args(sys.argv[1:])
     sys.argv = argv  # config_flags reads the --config.FIELD overrides from sys.argv
     before = set(flags.FLAGS)
-    define_flags()
+    try:
+        define_flags()
+    except Exception as e:  # noqa: BLE001 - a config flag with a default parses the --config.FIELD overrides here
+        exit_with_error(config_flag_error(argv[1:], e, default_config=help_configs[0] if help_configs else None))
     own = [name for name in flags.FLAGS if name not in before]
     if any(a in ("-h", "--help", "--helpshort", "-help") for a in argv[1:]):
         config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)

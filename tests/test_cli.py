@@ -62,6 +62,9 @@ def test_a_bad_preset_and_an_unknown_field_are_one_line(tmp_path):
     assert_one_line_error(proc, "did you mean train.num_steps?")
     proc = command("sweet_jax.train", "--config=configs/nope.py:demo", f"--workdir={tmp_path}", cwd=tmp_path)
     assert_one_line_error(proc, "configs/nope.py does not exist", "critic.py")
+    # A command whose --config has a default reads the overrides while its flags are defined.
+    proc = command("sweet_jax.rollout", "--config.best_off=2", cwd=tmp_path)
+    assert_one_line_error(proc, "unknown config field 'best_off'", "did you mean best_of?")
 
 
 def test_help_lists_the_flags_presets_and_fields(tmp_path):
