@@ -5,50 +5,22 @@
 
 Reads the run's resolved config (workdir/config.json) to rebuild the architecture, restores only the
 parameters from the Orbax checkpoint (latest readable one, or --step) straight onto a mesh over the local
-devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files. A LoRA run
-(config lora.rank > 0) is exported as full weights with the adapters merged in (models/lora.py merge), and with
---peft_out also as a PEFT adapter (adapter_config.json + adapter_model.safetensors) for the base model.
+devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files
+(sweet_jax.rundir.export_run). A LoRA run (config lora.rank > 0) is exported as full weights with the adapters
+merged in (models/lora.py merge), and with --peft_out also as a PEFT adapter (adapter_config.json +
+adapter_model.safetensors) for the base model.
 """
 from __future__ import annotations
 
-import logging
-import pathlib
-
 from sweet_jax import cli, rundir
-
-log = logging.getLogger("sweet_jax.export")
-
-
-# A run directory that cannot be exported (no run there, no checkpoint, ...).
-ExportError = rundir.RunDirError
-restore_model = rundir.restore_model
-
-
-def export(workdir, out, *, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str = "5GB", peft_out: str | None = None) -> pathlib.Path:
-    from sweet_jax.models import lora, save_hf
-
-    model, got_step, config = rundir.restore_model(workdir, step)
-    if lora.has_adapters(model):
-        if peft_out:
-            lora.save_peft(model, lora.LoRAConfig.from_config(config.lora), peft_out,
-                           base_model=config.model.path, dtype=dtype)
-            log.info("wrote the LoRA adapter of step %d in PEFT format to %s", got_step, peft_out)
-        model = lora.merge(model)
-    elif peft_out:
-        raise ExportError(f"--peft_out={peft_out}: the run {workdir} has no LoRA adapters (its lora.rank is 0)")
-    path = save_hf(model, out, tokenizer_dir=rundir.tokenizer_path(config), dtype=dtype,
-                   max_shard_size=max_shard_size)
-    log.info("exported step %d of %s to %s", got_step, workdir, path)
-    return path
 
 
 def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
-    path = export(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size,
-                  peft_out=FLAGS.peft_out)
+    path = rundir.export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
+                             max_shard_size=FLAGS.max_shard_size, peft_out=FLAGS.peft_out)
     print(f"exported to {path}")
 
 

@@ -198,7 +198,7 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 
 
 # ==========================================================================================================
-# Training stages: sweet_jax.train.run with a config built from config_utils + the pipeline's values
+# Training stages: sweet_jax.trainer.run with a config built from config_utils + the pipeline's values
 # ==========================================================================================================
 
 def tokenizer_dir(config) -> str:
@@ -257,11 +257,11 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
 
 def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
     """train.run into d/train, then the trained parameters as an HF checkpoint in d/hf."""
-    from sweet_jax import train
+    from sweet_jax import trainer
 
     # A rerun of the pipeline with other values goes on with them (run_pipeline says so); the training run
     # records the change.
-    summary = train.run(tconfig, d / "train", accept_config_change=True)
+    summary = trainer.run(tconfig, d / "train", accept_config_change=True)
     export_trained(d / "train", d / "hf")
     return {"hf": str(d / "hf"), "steps": summary["steps"], "train_examples": summary["train_examples"],
             "eval_examples": summary["eval_examples"], "eval": summary.get("eval", {}),
@@ -270,13 +270,13 @@ def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
 
 def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path) -> None:
     """The latest checkpoint of a train.run workdir as an HF directory (written whole, then renamed into place)."""
-    from sweet_jax import export
+    from sweet_jax import rundir
 
     tmp = out_hf.with_name(out_hf.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        export.export(train_dir, tmp)
-    except export.ExportError as e:
+        rundir.export_run(train_dir, tmp)
+    except rundir.RunDirError as e:
         raise PipelineError(f"{e}; delete {train_dir.parent} and rerun to train this stage again") from None
     shutil.rmtree(out_hf, ignore_errors=True)
     os.replace(tmp, out_hf)

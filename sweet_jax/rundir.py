@@ -323,6 +323,29 @@ def restore_model(workdir, step: int | None = None):
     return nnx.merge(graphdef, items["params"], rest), got_step, config
 
 
+def export_run(workdir, out, *, step: int | None = None, dtype: str | None = None,
+               max_shard_size: str = "5GB", peft_out: str | None = None) -> pathlib.Path:
+    """A training run's parameters (latest readable checkpoint, or `step`) as a Hugging Face checkpoint in `out`,
+    with the run's tokenizer files: what transformers and vLLM load. A LoRA run is exported with its adapters
+    merged in, and with peft_out also as a PEFT adapter for the base model."""
+    import logging
+    from sweet_jax.models import lora, save_hf
+
+    log = logging.getLogger("sweet_jax.export")
+    model, got_step, config = restore_model(workdir, step)
+    if lora.has_adapters(model):
+        if peft_out:
+            lora.save_peft(model, lora.LoRAConfig.from_config(config.lora), peft_out,
+                           base_model=config.model.path, dtype=dtype)
+            log.info("wrote the LoRA adapter of step %d in PEFT format to %s", got_step, peft_out)
+        model = lora.merge(model)
+    elif peft_out:
+        raise RunDirError(f"--peft_out={peft_out}: the run {workdir} has no LoRA adapters (its lora.rank is 0)")
+    path = save_hf(model, out, tokenizer_dir=tokenizer_path(config), dtype=dtype, max_shard_size=max_shard_size)
+    log.info("exported step %d of %s to %s", got_step, workdir, path)
+    return path
+
+
 def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None, *, chat_template: bool = True):
     """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
     the training run's tokenizer, or the demo tokenizer for ''."""

@@ -3,7 +3,7 @@
     python -m sweet_jax.serve --model HF_DIR_OR_WORKDIR --port 8000 [--host 127.0.0.1] [--tokenizer DIR]
 
 --model is a Hugging Face checkpoint directory (config.json + safetensors), or a training workdir of
-`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.export.restore_model).
+`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.rundir.restore_model).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool;

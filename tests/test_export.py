@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from sweet_jax import export, train
+from sweet_jax import rundir, trainer
 from test_train import env, small_trajectories
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -34,17 +34,17 @@ def trained_run(tmp_path_factory):
     config = demo_config(data__trajectories=str(small_trajectories(tmp / "traj.jsonl", num_tasks=4)),
                          data__max_len=256, data__bucket=256, train__num_steps=2, train__eval_every=0,
                          data__eval_fraction=0.0, optim__lr=1e-2)
-    summary = train.run(config, tmp / "run")
+    summary = trainer.run(config, tmp / "run")
     assert summary["steps"] == 2
     return tmp / "run"
 
 
 def test_exported_checkpoint_loads_in_transformers_with_the_trained_logits(trained_run, tmp_path):
-    out = export.export(trained_run, tmp_path / "hf")
+    out = rundir.export_run(trained_run, tmp_path / "hf")
     for name in ("config.json", "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json"):
         assert (out / name).exists(), name
-    model, step, _ = export.restore_model(trained_run)
+    model, step, _ = rundir.restore_model(trained_run)
     assert step == 2
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 24)).astype(np.int32)
     ours = np.asarray(model(ids))

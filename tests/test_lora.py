@@ -111,19 +111,19 @@ def records(workdir, split):
 @pytest.fixture(scope="module")
 def straight_lora_run(tmp_path_factory):
     """10 demo tasks, 3 of them held out."""
-    from sweet_jax import train
+    from sweet_jax import trainer
     tmp = tmp_path_factory.mktemp("lora_straight")
     data = small_trajectories(tmp / "trajectories.jsonl", num_tasks=10)
-    train.run(lora_critic_config(data__trajectories=str(data), data__eval_fraction=0.3), tmp / "run")
+    trainer.run(lora_critic_config(data__trajectories=str(data), data__eval_fraction=0.3), tmp / "run")
     return tmp / "run"
 
 
 @pytest.fixture(scope="module")
 def straight_lora_run_all_data(tmp_path_factory):
     """The bundled demo data: the uninterrupted run the resume test compares with."""
-    from sweet_jax import train
+    from sweet_jax import trainer
     workdir = tmp_path_factory.mktemp("lora_straight_all") / "run"
-    train.run(lora_critic_config(), workdir)
+    trainer.run(lora_critic_config(), workdir)
     return workdir
 
 
@@ -151,7 +151,7 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
 
 
 def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monkeypatch):
-    from sweet_jax import rundir, steps, train
+    from sweet_jax import rundir, steps, trainer
 
     real_factory = steps.make_critic_step
 
@@ -167,9 +167,9 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
     config = lora_critic_config()
     with monkeypatch.context() as m:
         m.setattr(steps, "make_critic_step", factory_sigterm_in_step_3)
-        with pytest.raises(train.Preempted):
-            train.run(config, tmp_path / "run")
-    train.run(config, tmp_path / "run")  # resumes from step 3's checkpoint
+        with pytest.raises(trainer.Preempted):
+            trainer.run(config, tmp_path / "run")
+    trainer.run(config, tmp_path / "run")  # resumes from step 3's checkpoint
 
     fields = ("loss", "pair_accuracy", "margin", "grad_norm", "lr")
     resumed, straight = records(tmp_path / "run", "train"), records(straight_lora_run_all_data, "train")
@@ -182,10 +182,10 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
 
 
 def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_run, tmp_path):
-    from sweet_jax import export
+    from sweet_jax import rundir
 
-    out = export.export(straight_lora_run, tmp_path / "hf")
-    model, _, _ = export.restore_model(straight_lora_run)
+    out = rundir.export_run(straight_lora_run, tmp_path / "hf")
+    model, _, _ = rundir.restore_model(straight_lora_run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 24))
     with torch.no_grad():
@@ -196,14 +196,14 @@ def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_r
 def test_lora_policy_starts_at_the_reference_the_frozen_base(tmp_path):
     """DPO through adapters: at step 1 the policy is the base, which is also the reference (no second copy of
     the weights), so the loss is exactly log 2 plus the NLL term."""
-    from sweet_jax import train
+    from sweet_jax import trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
     data = small_trajectories(tmp_path / "trajectories.jsonl", num_tasks=4)
-    tokenizer = load_tokenizer(train.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo_lora", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=1, train__eval_every=0, data__eval_fraction=0.0)
-    train.run(config, tmp_path / "policy")
+    trainer.run(config, tmp_path / "policy")
     (row,) = records(tmp_path / "policy", "train")
     assert row["loss"] == pytest.approx(np.log(2) + 0.01 * row["nll"], rel=1e-5)

@@ -74,9 +74,9 @@ def steps_on_disk(workdir) -> list[int]:
 
 def trained_params(workdir) -> dict:
     from flax import nnx
-    from sweet_jax import export
+    from sweet_jax import rundir
 
-    model, _, _ = export.restore_model(workdir)
+    model, _, _ = rundir.restore_model(workdir)
     return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -227,13 +227,13 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
     (1, 4, 2) instead, says so, and trains the step."""
     import logging
 
-    from sweet_jax import train
+    from sweet_jax import trainer
 
     config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
                          data__bucket=256, train__batch_size=4, train__num_steps=1, train__ckpt_every=0,
                          train__eval_every=0, data__eval_fraction=0.0, mesh__shape=(1, -1, 1))
     with caplog.at_level(logging.INFO, logger="sweet_jax.train"):
-        summary = train.run(config, tmp_path / "chosen_mesh")
+        summary = trainer.run(config, tmp_path / "chosen_mesh")
     assert summary["steps"] == 1
     assert any("using (1, 4, 2) (data, fsdp, tensor)" in r.getMessage() for r in caplog.records)
     assert any("mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in r.getMessage() for r in caplog.records)
@@ -242,7 +242,7 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """The step's loss turns NaN at step 3: the run stops, checkpoint 2 (whose weights gave that loss) is
     moved aside, checkpoint 1 stays as the last good one."""
-    from sweet_jax import steps, train
+    from sweet_jax import steps, trainer
 
     real_factory = steps.make_critic_step
 
@@ -260,8 +260,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
                          data__bucket=256, train__batch_size=4, train__num_steps=4, train__ckpt_every=1,
                          train__eval_every=0, data__eval_fraction=0.0, mesh__shape=(1, 1, 1))
-    with pytest.raises(train.NanLossError) as error:
-        train.run(config, tmp_path / "nan")
+    with pytest.raises(trainer.NanLossError) as error:
+        trainer.run(config, tmp_path / "nan")
     message = str(error.value)
     assert "\n" not in message and "NaN/inf (nan) at step 3" in message
     assert "last good checkpoint is step 1" in message and "--config.optim.lr" in message
@@ -329,16 +329,16 @@ def ranked_pairs(path, trajectories_path, tokenizer) -> pathlib.Path:
 
 
 def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_path):
-    from sweet_jax import train
+    from sweet_jax import trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(train.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     common = dict(data__trajectories=str(data), data__pairs=str(pairs), data__max_len=4096, data__eval_fraction=0.34)
     built = {}
     for file, preset in [("critic.py", "demo"), ("critic.py", "demo_no_info"), ("policy.py", "demo"),
                          ("policy.py", "demo_mtdpo"), ("policy.py", "demo_rft")]:
-        train_set, eval_set = train.build_datasets(demo_config(file=file, preset=preset, **common), tokenizer)
+        train_set, eval_set = trainer.build_datasets(demo_config(file=file, preset=preset, **common), tokenizer)
         built[preset if file == "critic.py" or preset != "demo" else "policy_dpo"] = (train_set, eval_set)
         assert len(train_set) and len(eval_set) and train_set.tasks == 4 and eval_set.tasks == 2
     P = {k: len(v[0].examples[0]) for k, v in built.items()}
@@ -358,7 +358,7 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
     """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
     that step with a checkpoint of it, and the command line's exit status names the signal."""
-    from sweet_jax import steps, train
+    from sweet_jax import steps, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
     real_factory = steps.make_policy_step
@@ -373,14 +373,14 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
         return step_with_sigterm
 
     monkeypatch.setattr(steps, "make_policy_step", factory_sigterm_in_step_1)
-    tokenizer = load_tokenizer(train.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=3, train__eval_every=0, data__eval_fraction=0.0,
                          mesh__shape=(1, 1, 1))
     handler_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with pytest.raises(train.Preempted) as preempted:
-        train.run(config, tmp_path / "policy")
+    with pytest.raises(trainer.Preempted) as preempted:
+        trainer.run(config, tmp_path / "policy")
     assert preempted.value.step == 1 and preempted.value.exit_code == 128 + signum
     assert steps_on_disk(tmp_path / "policy") == [1]
     rows = records(tmp_path / "policy")
@@ -450,7 +450,7 @@ def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tm
     export is the same HF checkpoint."""
     from flax import nnx
     from safetensors.numpy import load_file
-    from sweet_jax import export, train
+    from sweet_jax import rundir, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import Llama, save_hf
 
@@ -459,22 +459,22 @@ def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tm
                   train__eval_every=0, data__eval_fraction=0.0)
     # Both runs start from one HF checkpoint (a scanned random init draws its layers differently).
     config = demo_config(**common)
-    tokenizer_dir = train.tokenizer_path(config)
+    tokenizer_dir = trainer.tokenizer_path(config)
     tokenizer = load_tokenizer(tokenizer_dir)
-    init = Llama(train.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
+    init = Llama(trainer.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
     save_hf(init, tmp_path / "init", tokenizer_dir=tokenizer_dir)
     common["model__path"] = str(tmp_path / "init")
-    train.run(demo_config(**common, mesh__shape=(1, 1, 1)), tmp_path / "plain")
-    train.run(demo_config(**common, mesh__shape=(1, 2, 2), model__scan_layers=True, model__sequence_parallel=True),
+    trainer.run(demo_config(**common, mesh__shape=(1, 1, 1)), tmp_path / "plain")
+    trainer.run(demo_config(**common, mesh__shape=(1, 2, 2), model__scan_layers=True, model__sequence_parallel=True),
               tmp_path / "scan")
-    model, _, _ = export.restore_model(tmp_path / "scan")
+    model, _, _ = rundir.restore_model(tmp_path / "scan")
     assert model.config.scan_layers and model.config.residual_sharding is not None
     plain, scan = records(tmp_path / "plain"), records(tmp_path / "scan")
     assert len(plain) == 3 and plain[-1]["loss"] != plain[0]["loss"]  # it trained
     np.testing.assert_allclose([r["loss"] for r in scan], [r["loss"] for r in plain], rtol=1e-5)
     tensors = {}
     for name in ("plain", "scan"):
-        export.export(tmp_path / name, tmp_path / f"{name}_hf")
+        rundir.export_run(tmp_path / name, tmp_path / f"{name}_hf")
         tensors[name] = {k: v for f in sorted((tmp_path / f"{name}_hf").glob("*.safetensors"))
                          for k, v in load_file(f).items()}
     assert tensors["scan"].keys() == tensors["plain"].keys()
