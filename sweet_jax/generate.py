@@ -701,19 +701,3 @@ def _cache_width(cache) -> int:
 def _mix_seed(seed: int, index: int) -> int:
     """A distinct, reproducible 31-bit seed for (seed, index)."""
     return int(np.random.default_rng([int(seed) & 0xFFFFFFFF, int(index)]).integers(2**31))
-
-
-def load_sampler(path: str, *, tokenizer_path: str | None = None, mesh=None, dtype: str | None = None,
-                 **sampler_kwargs) -> Sampler:
-    """A Sampler for a Hugging Face checkpoint directory (config.json + safetensors [+ tokenizer])."""
-    import transformers
-
-    from sweet_jax.models import load_hf
-
-    model = load_hf(path, dtype=dtype, mesh=mesh)
-    tok_dir = tokenizer_path or path
-    tokenizer = None
-    if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) or \
-            os.path.exists(os.path.join(tok_dir, "tokenizer_config.json")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    return Sampler(model, tokenizer, mesh, **sampler_kwargs)

@@ -202,14 +202,10 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 # ==========================================================================================================
 
 def tokenizer_dir(config) -> str:
-    if config.model.tokenizer:
-        return config.model.tokenizer
-    if config.init.kind == "path":
-        return config.init.path
-    if config.init.pretrained:
-        return config.init.pretrained
-    from sweet_jax.data import demo_paths
-    return str(demo_paths().tokenizer)
+    """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint."""
+    from sweet_jax import rundir
+    return rundir.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
+                                config.init.pretrained)
 
 
 def train_config(config, *, kind: str, stage, model_path: str, trajectories: str = "", pairs: str = "",
@@ -422,46 +418,23 @@ def _tiny_llama_config(config):
 # ==========================================================================================================
 
 def load_sampler(run: Run, hf_dir: str, *, seed: int):
-    """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so on
-    one device the run keeps one Sampler and swaps its parameters: its compiled prefill/decode programs
-    (one per shape) are reused by every rollout instead of being compiled again for each policy."""
+    """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so the
+    run keeps one Sampler and swaps its parameters (rundir.load_sampler's reuse): its compiled programs serve
+    every rollout instead of being compiled again for each policy."""
     from sweet_jax import rundir
-    from sweet_jax.models import load_hf
 
     c = run.config
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
     mesh = rundir.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
-    if run.sampler is not None:
-        from sweet_jax.generate import GenerateError
-        try:
-            run.sampler.set_params(load_hf(hf_dir, dtype=dtype or None), seed=seed)
-            return run.sampler
-        except GenerateError:  # another architecture: a new Sampler (and new compilations)
-            pass
     run.sampler = rundir.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
-                                      max_batch_size=c.train.max_batch_size)
+                                      max_batch_size=c.train.max_batch_size, reuse=run.sampler)
     return run.sampler
-
-
-def make_simulator(config):
-    from sweet_jax.envs import OpenAISimulator, ScriptedSimulator
-    s = config.simulator
-    if s.kind == "synthetic":
-        from sweet_jax.data.synthetic import simulator_reply
-        return ScriptedSimulator(simulator_reply)
-    if s.kind == "hidden_info":
-        return ScriptedSimulator()
-    if s.kind == "openai":
-        return OpenAISimulator(s.base_url, s.model, api_key=s.api_key, timeout_s=s.timeout_s,
-                               max_retries=s.max_retries, concurrency=s.concurrency, max_tokens=s.max_tokens)
-    raise PipelineError(f"config.simulator.kind={s.kind!r}: use synthetic (the synthetic task's scripted "
-                        "human), hidden_info (replies with the hidden information) or openai (an endpoint)")
 
 
 def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, best_of: int, temperature: float,
          max_new_tokens: int, batch_size: int, max_turns: int, seed: int) -> dict:
     """Episodes of the policy in hf_dir on `tasks`, written to out (resumable), scored in the sandbox."""
-    from sweet_jax.rollout import SamplerPolicy, agent_prompt_for, rollout
+    from sweet_jax.collect import SamplerPolicy, agent_prompt_for, make_simulator, rollout
 
     sampler = load_sampler(run, hf_dir, seed=seed)
     policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -471,7 +444,7 @@ def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, bes
         track = run.frontend_track
         return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
                        max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
-    simulator = make_simulator(run.config)
+    simulator = make_simulator(run.config.simulator, field="config.simulator")
     try:
         return rollout(tasks, policy, simulator, out, best_of=best_of, batch_size=batch_size, max_turns=max_turns,
                        evaluator=run.evaluator, progress=True)
@@ -495,7 +468,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
             for t, s in zip(unscored, scores):
                 t["reward"] = float(s.reward) if s.status == "ok" else 0.0
         write_jsonl(out, trajs)
-        from sweet_jax.rollout import summarize
+        from sweet_jax.collect import summarize
         summary = summarize(trajs)
     else:
         collected = d / "collected.jsonl"
@@ -518,7 +491,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
                 policy_weights=_policy_weights(c.init.policy_weights), evaluator=run.evaluator)
             trajs += [dict(t, scripted=True) for t in scripted]
         write_jsonl(out, trajs)
-        from sweet_jax.rollout import summarize
+        from sweet_jax.collect import summarize
         summary = dict(summarize([t for t in trajs if not t.get("scripted")]), scripted=len(trajs) - len(
             [t for t in trajs if not t.get("scripted")]))
     from sweet_jax.data import load_trajectories
@@ -554,10 +527,10 @@ def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *
 def ranked_prompts(run: Run, trajectories: str):
     """The turn prefixes o_t that get candidates: every assistant turn of the offline trajectories, or a
     seeded sample of config.rank.max_prompts of them."""
-    from sweet_jax import rank
+    from sweet_jax import ranking
     from sweet_jax.data import load_trajectories
 
-    prompts = rank.turn_prompts(load_trajectories(trajectories))
+    prompts = ranking.turn_prompts(load_trajectories(trajectories))
     n = run.config.rank.max_prompts
     if n and n < len(prompts):
         picked = sorted(np.random.default_rng(run.config.seed).choice(len(prompts), size=n, replace=False))
@@ -566,8 +539,9 @@ def ranked_prompts(run: Run, trajectories: str):
 
 
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
-    from sweet_jax import rank
-    from sweet_jax.rollout import agent_prompt_for
+    from sweet_jax import ranking
+    from sweet_jax.collect import agent_prompt_for
+    from sweet_jax.data.schema import CandidatesRecord
     from tqdm import tqdm
 
     c = run.config
@@ -577,50 +551,51 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
     per = c.rank.prompts_per_batch
     for start in tqdm(range(0, len(prompts), per), desc="candidates", unit="batch"):
         batch = prompts[start:start + per]
-        cands = rank.sample_candidates(sampler, batch, n=c.rank.num_candidates, max_new_tokens=c.rank.max_new_tokens,
-                                       temperature=c.rank.temperature, seed=c.seed * 1_000_003 + start,
-                                       system_prompt=agent_prompt_for(c))
+        cands = ranking.sample_candidates(sampler, batch, n=c.rank.num_candidates,
+                                          max_new_tokens=c.rank.max_new_tokens, temperature=c.rank.temperature,
+                                          seed=c.seed * 1_000_003 + start, system_prompt=agent_prompt_for(c))
         for p, cand in zip(batch, cands):
-            rows.append({"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": cand.texts,
-                         "sampler_logp": [float(x) for x in cand.sampler_logp], "prompt_text": cand.prompt_text,
-                         "prompt_ids": cand.prompt_ids, "token_ids": cand.token_ids})  # the pairs carry the ids
+            rows.append(CandidatesRecord(p.trajectory_index, p.turn, cand.texts,
+                                         [float(x) for x in cand.sampler_logp], cand.prompt_text,
+                                         cand.prompt_ids, cand.token_ids))  # the pairs carry the ids
     write_jsonl(d / "candidates.jsonl", rows)
-    distinct = np.mean([len(set(r["texts"])) for r in rows]) if rows else 0.0
-    return {"prompts": len(rows), "candidates": sum(len(r["texts"]) for r in rows),
+    distinct = np.mean([len(set(r.texts)) for r in rows]) if rows else 0.0
+    return {"prompts": len(rows), "candidates": sum(len(r.texts) for r in rows),
             "mean_distinct_per_prompt": float(distinct)}
 
 
 def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajectories: str, candidates: str,
                *, use_info: bool) -> dict:
-    from sweet_jax import rank
+    from sweet_jax import ranking
+    from sweet_jax.data.schema import CandidatesRecord, PolicyPair, load_records
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import load_hf
 
     c = run.config
     prompts = ranked_prompts(run, trajectories)
-    by_key = {(r["trajectory_index"], r["turn"]): r for r in _read_jsonl(candidates)}
+    by_key = {r.key: r for r in load_records(candidates, CandidatesRecord)}
     missing = [p.key for p in prompts if p.key not in by_key]
     if missing:
         raise PipelineError(f"{candidates} lacks the candidates of {len(missing)} turn(s) (first {missing[0]}); "
                             f"delete {pathlib.Path(candidates).parent} so the candidates stage runs again")
 
     def sample_fn(batch):  # the candidates were sampled once, for both rankings
-        return [rank.Candidates(list(by_key[p.key]["texts"]), np.asarray(by_key[p.key]["sampler_logp"]),
-                                by_key[p.key]["prompt_text"], prompt_ids=by_key[p.key].get("prompt_ids"),
-                                token_ids=by_key[p.key].get("token_ids")) for p in batch]
+        return [ranking.Candidates(list(by_key[p.key].texts), np.asarray(by_key[p.key].sampler_logp),
+                                   by_key[p.key].prompt_text, prompt_ids=by_key[p.key].prompt_ids,
+                                   token_ids=by_key[p.key].token_ids) for p in batch]
 
     tok = load_tokenizer(tokenizer_dir(c))
     dtype = c.model.dtype if c.model.dtype != "float32" else None
     kw = dict(info_template=c.rank.info_template, info_placement=c.rank.info_placement, use_info=use_info,
               batch_size=c.rank.score_batch_size, bucket=c.train.bucket, max_len=c.train.max_len * 2)
-    critic_logp = rank.ReplyScorer(load_hf(critic_hf, dtype=dtype), tok, **kw)
-    reference_logp = rank.ReplyScorer(load_hf(policy_hf, dtype=dtype), tok, **kw) \
+    critic_logp = ranking.ReplyScorer(load_hf(critic_hf, dtype=dtype), tok, **kw)
+    reference_logp = ranking.ReplyScorer(load_hf(policy_hf, dtype=dtype), tok, **kw) \
         if c.rank.rank_reference == "ref_with_info" else None
     out = d / "pairs.jsonl"
-    result = rank.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,
+    result = ranking.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,
                              rank_reference=c.rank.rank_reference, num_pairs=c.rank.num_pairs,
                              seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch, progress=True)
-    pairs = _read_jsonl(out)
+    pairs = load_records(out, PolicyPair)
     if not pairs:
         raise PipelineError(f"{out}: no step-level pairs (every turn's candidates tied); raise "
                             "config.rank.num_candidates or config.rank.temperature")
@@ -630,13 +605,14 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
 def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
     """How often two rankings order the same two candidates the same way: of the pairs of ranking A whose two
     candidates ranking B also compared, the share B put on the same side (a measure of what c changes)."""
-    a = {(r["trajectory_index"], r["turn"], r["chosen"], r["rejected"]) for r in _read_jsonl(pairs_a)}
+    from sweet_jax.data.schema import PolicyPair, load_records
+
+    a = {(*r.key, r.chosen, r.rejected) for r in load_records(pairs_a, PolicyPair)}
     same = opposite = 0
-    for r in _read_jsonl(pairs_b):
-        key = (r["trajectory_index"], r["turn"])
-        if (*key, r["chosen"], r["rejected"]) in a:
+    for r in load_records(pairs_b, PolicyPair):
+        if (*r.key, r.chosen, r.rejected) in a:
             same += 1
-        elif (*key, r["rejected"], r["chosen"]) in a:
+        elif (*r.key, r.rejected, r.chosen) in a:
             opposite += 1
     return 100.0 * same / (same + opposite) if same + opposite else None
 
@@ -677,7 +653,7 @@ def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str) -> dict:
 
 
 def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[str]) -> dict:
-    from sweet_jax import pipeline_report
+    from sweet_jax import results as results_lib
 
     c = run.config
     s = summaries
@@ -699,8 +675,8 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "init_reused_from": s["init"].get("reused_from"),
     }
     if c.tasks.source == "synthetic":  # the synthetic tasks know every reply's worth: check the rankings
-        from sweet_jax import pipeline_diagnostics
-        for name, value in pipeline_diagnostics.run_diagnostics(run.workdir).items():
+        from sweet_jax import diagnostics as diagnostics_lib
+        for name, value in diagnostics_lib.run_diagnostics(run.workdir).items():
             diagnostics["pair_oracle_agreement" + name[len("rank"):]] = value["agreement_pct"]
     model = "policy"
     if c.init.kind == "sft" and c.init.pretrained:
@@ -730,7 +706,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
                                          win_rate_pct=100.0 * win if win is not None else float("nan"))
     (run.workdir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     title = f"{results['task']}, preset {c.preset}, seed {c.seed}"
-    md, png = pipeline_report.write_report([results], run.workdir, title=title)
+    md, png = results_lib.write_report([results], run.workdir, title=title)
     return {"results": str(run.workdir / "results.json"), "table": str(md), "chart": str(png)}
 
 

@@ -183,13 +183,18 @@ def demo_paths():
     return demo.paths()
 
 
+def tokenizer_dir(*choices) -> str:
+    """The tokenizer directory: the first non-empty of `choices` (tokenizer or model directories, in order of
+    preference), else the bundled demo tokenizer (the demo tiny model's)."""
+    for choice in choices:
+        if choice:
+            return str(choice)
+    return str(demo_paths().tokenizer)
+
+
 def tokenizer_path(config) -> str:
     """A training config's tokenizer: data.tokenizer, else model.path, else the bundled demo tokenizer."""
-    if config.data.tokenizer:
-        return config.data.tokenizer
-    if config.model.path:
-        return config.model.path
-    return str(demo_paths().tokenizer)
+    return tokenizer_dir(config.data.tokenizer, config.model.path)
 
 
 def initialize_distributed() -> bool:
@@ -350,8 +355,7 @@ def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None,
     """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
     the training run's tokenizer, or the demo tokenizer for ''."""
     from sweet_jax.data.tokenizers import load_tokenizer
-    directory = tokenizer or (tokenizer_path(run_config) if run_config is not None else path) or \
-        str(demo_paths().tokenizer)
+    directory = tokenizer_dir(tokenizer, tokenizer_path(run_config) if run_config is not None else path)
     return load_tokenizer(directory, require_chat_template=chat_template)
 
 
@@ -387,9 +391,22 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
 
 
 def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
-                 max_batch_size: int = 64, chat_template: bool = True):
-    """A generate.Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory)."""
+                 max_batch_size: int = 64, chat_template: bool = True, reuse=None):
+    """A generate.Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory).
+
+    reuse: a Sampler to load a Hugging Face checkpoint of the same architecture into: only its parameters are
+    swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
+    compiled again (the pipeline samples from several policies of one architecture). Another architecture
+    gets a new Sampler."""
     from sweet_jax import generate
+
+    if reuse is not None and is_hf_checkpoint(path):
+        from sweet_jax.models import load_hf
+        try:
+            reuse.set_params(load_hf(path, dtype=dtype or None), seed=seed)
+            return reuse
+        except generate.GenerateError:  # another architecture: a new Sampler (and new compilations)
+            pass
 
     run_config = read_config(path) if path and is_training_run(path) else None
     tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)

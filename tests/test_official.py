@@ -219,13 +219,13 @@ def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
 
 
 def test_official_rank_score_is_the_scripts_mean_over_header_and_reply_at_temperature_half(tok):
-    from sweet_jax import rank as rank_lib
+    from sweet_jax import ranking
 
     critic, _ = models(tok)
     traj = official_trajectory(tok, ["Which inputs?", "I WANT TO ANSWER: pass"], ["Two ints.", None], 1.0)
-    prompt = rank_lib.turn_prompts([traj])[1]
+    prompt = ranking.turn_prompts([traj])[1]
     replies = ["Do you want a sum?", "I WANT TO ANSWER: def f(a, b): return a + b"]
-    scorer = rank_lib.ReplyScorer(critic, tok, info_template=INFO, style="official", temperature=0.5,
+    scorer = ranking.ReplyScorer(critic, tok, info_template=INFO, style="official", temperature=0.5,
                                   batch_size=2, bucket=64)
     got = scorer([(prompt, r) for r in replies])
 
@@ -245,11 +245,11 @@ def test_official_rank_score_is_the_scripts_mean_over_header_and_reply_at_temper
         tokens = ids[1:len(ids) - tail]
         last_eos = max(i for i, t in enumerate(tokens) if t == tok.eos_token_id)
         np.testing.assert_allclose(score, np.mean(prompt_logprobs[last_eos + 1:]), rtol=1e-5)
-        seq = rank_lib.critic_sequence(tok, prompt, reply, info_template=INFO, info_placement="raw_prefix",
+        seq = ranking.critic_sequence(tok, prompt, reply, info_template=INFO, info_placement="raw_prefix",
                                        style="official")
         assert tok.decode(seq.input_ids[seq.turn_ids > 0].tolist()) == template + reply
         assert seq.input_ids[0] == tok.bos_token_id and INFO[:8] in tok.decode(seq.input_ids[1:4].tolist())
-    no_info = rank_lib.critic_sequence(tok, prompt, replies[0], info_template=INFO, info_placement="raw_prefix",
+    no_info = ranking.critic_sequence(tok, prompt, replies[0], info_template=INFO, info_placement="raw_prefix",
                                        use_info=False, style="official")
     assert list(no_info.input_ids[:2]) == [tok.bos_token_id] * 2  # the second BOS vLLM adds
 
@@ -274,7 +274,7 @@ def test_official_pairing_draws_with_replacement_across_halves_and_allows_ties()
 
 
 def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
-    from sweet_jax import rollout as rollout_lib
+    from sweet_jax import collect
     from sweet_jax.data.schema import load_trajectories
     from sweet_jax.envs import ANSWER_MARKER, ScriptedSimulator
     from sweet_jax.envs.simulators import SimulatorError
@@ -292,11 +292,11 @@ def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
         return task["hidden_information"]
 
     out = tmp_path / "traj.jsonl"
-    rollout_lib.rollout(tasks, rollout_lib.FunctionPolicy(policy), ScriptedSimulator(simulator), out, best_of=2,
+    collect.rollout(tasks, collect.FunctionPolicy(policy), ScriptedSimulator(simulator), out, best_of=2,
                         batch_size=4, progress=False)
-    assert len(rollout_lib.read_records(out)) == 4  # by task: the two failed episodes are apart
-    rows = rollout_lib.write_official_layout(out, tasks, best_of=2)
-    records = rollout_lib.read_records(out)
+    assert len(collect.read_records(out)) == 4  # by task: the two failed episodes are apart
+    rows = collect.write_official_layout(out, tasks, best_of=2)
+    records = collect.read_records(out)
     assert rows == 6 == len(records)
     # Row b * N + i is sample b of task i: the alignment the official evaluate_code.py --k 2 asserts.
     assert [(r["rollout"]["task_index"], r["rollout"]["sample"]) for r in records] == \
@@ -308,14 +308,14 @@ def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
     assert all(r["answer"] == "No answer" and r["reward"] == 0.0 and r["dialogue_history"][1]["role"] == "assistant"
                for r in failed)
     assert len(load_trajectories(out)) == 6  # our loader reads it back
-    back = rollout_lib.from_official_blocks(records, best_of=2)
+    back = collect.from_official_blocks(records, best_of=2)
     assert sorted(back) == [(i, b) for i in range(3) for b in range(2)]
     assert all(rec["rollout"]["task_index"] == i and rec["rollout"]["sample"] == b for (i, b), rec in back.items())
-    with pytest.raises(rollout_lib.RolloutError, match="have not run yet"):
-        rollout_lib.official_blocks([r for r in records if "failure" not in r["rollout"]], [], tasks, 2)
-    with pytest.raises(rollout_lib.RolloutError, match="not the same task"):
+    with pytest.raises(collect.RolloutError, match="have not run yet"):
+        collect.official_blocks([r for r in records if "failure" not in r["rollout"]], [], tasks, 2)
+    with pytest.raises(collect.RolloutError, match="not the same task"):
         by_task = sorted(records, key=lambda r: (r["rollout"]["task_index"], r["rollout"]["sample"]))
-        rollout_lib.from_official_blocks(by_task, best_of=2)
+        collect.from_official_blocks(by_task, best_of=2)
 
 
 def test_prompts_load_from_files_with_the_official_placeholders(tmp_path):
@@ -469,16 +469,16 @@ def test_sweet_rl_on_python_313_warns_why_the_official_code_scores_zero():
 
 
 def test_official_rank_sequence_of_a_message_form_turn_uses_the_prompt_the_candidates_came_from(tok):
-    from sweet_jax import rank as rank_lib
+    from sweet_jax import ranking
     from sweet_jax.data.schema import Trajectory
 
     traj = Trajectory.from_json({"task": {"problem_description": "Write f.", "ground_truth": "def f(): pass",
                                           "test_cases": {}},
                                  "dialogue_history": [{"role": "user", "content": "Write f."},
                                                       {"role": "assistant", "content": "Which f?"}]})
-    prompt = rank_lib.turn_prompts([traj])[0]
-    _, sampled_from = rank_lib.prompt_ids(tok, prompt, system_prompt="Rules.")
-    seq = rank_lib.critic_sequence(tok, prompt, "The f.", info_template=INFO, info_placement="raw_prefix",
+    prompt = ranking.turn_prompts([traj])[0]
+    _, sampled_from = ranking.prompt_ids(tok, prompt, system_prompt="Rules.")
+    seq = ranking.critic_sequence(tok, prompt, "The f.", info_template=INFO, info_placement="raw_prefix",
                                    use_info=False, style="official", system_prompt="Rules.")
     expected = [tok.bos_token_id] + tok(sampled_from + "The f.", add_special_tokens=False)["input_ids"]
     assert seq.input_ids.tolist() == expected and "Rules." in sampled_from

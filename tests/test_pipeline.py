@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from sweet_jax import pipeline, pipeline_report
+from sweet_jax import pipeline
+from sweet_jax import results as results_lib
 from sweet_jax.data import load_tasks, load_trajectories
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def test_every_policy_is_evaluated_on_the_heldout_tasks(workdir):
 def test_results_table_and_chart(workdir):
     results = json.loads((workdir / "results.json").read_text())
     table = (workdir / "results.md").read_text()
-    for method, name in pipeline_report.METHOD_NAMES.items():
+    for method, name in results_lib.METHOD_NAMES.items():
         row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) == pytest.approx(results["methods"][method]["tests_passed_pct"], abs=0.051)
@@ -189,7 +190,7 @@ def test_mean_table_over_seeds():
         return {"seed": seed, "model": "m", "heldout_tasks": 4, "methods": {
             "zero_shot": {"tests_passed_pct": 10.0, "success_rate_pct": 0.0, "episodes": 4},
             "sweet": {"tests_passed_pct": sweet, "success_rate_pct": sweet / 2, "episodes": 4}}}
-    table = pipeline_report.results_table([run(0, 20.0), run(1, 40.0)])
+    table = results_lib.results_table([run(0, 20.0), run(1, 40.0)])
     assert "| SWEET-RL | 30.0 ± 10.0 | 15.0 ± 5.0 |" in table
     assert "| Zero-Shot | 10.0 ± 0.0 | 0.0 ± 0.0 |" in table
     assert "seeds: 0, 1" in table
@@ -216,7 +217,7 @@ def test_colbench_8b_preset_is_complete():
 
 def test_synthetic_oracle_values_answers_and_questions():
     from sweet_jax.data import synthetic
-    from sweet_jax.pipeline_diagnostics import reply_worth
+    from sweet_jax.diagnostics import reply_worth
 
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)
@@ -234,7 +235,7 @@ def test_synthetic_oracle_values_answers_and_questions():
 
 def test_policy_behaviour_measures_questions_and_copy_accuracy():
     from sweet_jax.data import synthetic
-    from sweet_jax.pipeline_diagnostics import policy_behaviour
+    from sweet_jax.diagnostics import policy_behaviour
 
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)

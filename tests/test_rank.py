@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from sweet_jax import rank as rank_lib
+from sweet_jax import ranking
 from sweet_jax.data.schema import Trajectory
 
 TASK = {"problem_description": "Write f(x) adding my number.", "ground_truth": "def f(x):\n    return x + 3",
@@ -23,7 +23,7 @@ def trajectory(replies, reward=1.0):
 
 
 def test_one_prompt_per_reply_holding_the_dialogue_before_it():
-    prompts = rank_lib.turn_prompts([trajectory(["q1?", "q2?", "I WANT TO ANSWER: code"]), trajectory(["ans"])])
+    prompts = ranking.turn_prompts([trajectory(["q1?", "q2?", "I WANT TO ANSWER: code"]), trajectory(["ans"])])
     assert [p.key for p in prompts] == [(0, 1), (0, 2), (0, 3), (1, 1)]
     assert [m["content"] for m in prompts[1].messages] == [TASK["problem_description"], "q1?", "answer 1"]
     assert prompts[0].ground_truth == TASK["ground_truth"] and prompts[0].input_text is None
@@ -38,7 +38,7 @@ SAMPLER = {"c0": -5.0, "c1": -1.0, "c2": -1.0, "c3": -1.0, "c4": -9.0, "c5": -1.
 
 def stub_sample_fn(prompts):
     names = list(CRITIC)
-    return [rank_lib.Candidates(names, np.array([SAMPLER[n] for n in names]), f"prompt {p.key}") for p in prompts]
+    return [ranking.Candidates(names, np.array([SAMPLER[n] for n in names]), f"prompt {p.key}") for p in prompts]
 
 
 def critic_logp(items):
@@ -55,9 +55,9 @@ def reference_logp(items):
 ])
 def test_pairs_take_chosen_from_the_top_half_and_rejected_from_the_bottom(tmp_path, rank_reference,
                                                                            expected_score):
-    prompts = rank_lib.turn_prompts([trajectory(["q1?", "q2?", "ans"]), trajectory(["ans"])])
+    prompts = ranking.turn_prompts([trajectory(["q1?", "q2?", "ans"]), trajectory(["ans"])])
     out = tmp_path / "pairs.jsonl"
-    result = rank_lib.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, out,
+    result = ranking.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, out,
                                  rank_reference=rank_reference, num_pairs=4, seed=0, prompts_per_batch=3,
                                  progress=False)
     ranked = sorted(CRITIC, key=lambda n: -expected_score[n])
@@ -80,22 +80,22 @@ def test_pairs_take_chosen_from_the_top_half_and_rejected_from_the_bottom(tmp_pa
 
 
 def test_pairs_are_seeded_and_a_rerun_skips_ranked_turns(tmp_path):
-    prompts = rank_lib.turn_prompts([trajectory(["q1?", "q2?", "ans"])])
+    prompts = ranking.turn_prompts([trajectory(["q1?", "q2?", "ans"])])
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     kw = dict(rank_reference="ref_with_info", num_pairs=2, seed=7, progress=False)
-    rank_lib.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, a, prompts_per_batch=1, **kw)
+    ranking.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, a, prompts_per_batch=1, **kw)
     # Batching differs, pairs do not: each turn's draw depends only on (seed, trajectory, turn).
-    rank_lib.rank_turns(prompts[:1], stub_sample_fn, critic_logp, reference_logp, b, prompts_per_batch=2, **kw)
-    rerun = rank_lib.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, b, prompts_per_batch=2, **kw)
+    ranking.rank_turns(prompts[:1], stub_sample_fn, critic_logp, reference_logp, b, prompts_per_batch=2, **kw)
+    rerun = ranking.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, b, prompts_per_batch=2, **kw)
     assert rerun["turns_ranked_now"] == 2
     assert a.read_text() == b.read_text()
 
 
 def test_unscorable_candidates_take_no_part_in_pairs(tmp_path):
-    prompts = rank_lib.turn_prompts([trajectory(["ans"])])
+    prompts = ranking.turn_prompts([trajectory(["ans"])])
     out = tmp_path / "pairs.jsonl"
     nan_for_c5 = lambda items: np.array([np.nan if t == "c5" else CRITIC[t] for _, t in items])
-    rank_lib.rank_turns(prompts, stub_sample_fn, nan_for_c5, reference_logp, out, num_pairs=10, progress=False)
+    ranking.rank_turns(prompts, stub_sample_fn, nan_for_c5, reference_logp, out, num_pairs=10, progress=False)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     # Five scored: c1 2, c3 2 | (c0 -.5 in the middle) | c2 -2, c4 -3: all 4 top x bottom pairs, c5 nowhere.
     assert sorted((r["chosen"], r["rejected"]) for r in records) == [("c1", "c2"), ("c1", "c4"), ("c3", "c2"),
@@ -103,8 +103,8 @@ def test_unscorable_candidates_take_no_part_in_pairs(tmp_path):
 
 
 def test_ref_with_info_needs_a_reference_scorer(tmp_path):
-    with pytest.raises(rank_lib.RankError, match="reference"):
-        rank_lib.rank_turns([], stub_sample_fn, critic_logp, None, tmp_path / "p.jsonl", progress=False)
+    with pytest.raises(ranking.RankError, match="reference"):
+        ranking.rank_turns([], stub_sample_fn, critic_logp, None, tmp_path / "p.jsonl", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +124,15 @@ def test_reply_scorer_is_the_mean_teacher_forced_logprob_of_the_reply_tokens(tin
     from flax import nnx
 
     model, tok = tiny_model_and_tokenizer
-    prompts = rank_lib.turn_prompts([trajectory(["What is your number?", "I WANT TO ANSWER: def f(x): return x"])])
+    prompts = ranking.turn_prompts([trajectory(["What is your number?", "I WANT TO ANSWER: def f(x): return x"])])
     items = [(prompts[1], "def f(x): return x + 3"), (prompts[0], "Which number?"),
              (prompts[1], "Sure, one more question: do you want ints only, or floats as well?")]
-    scorer = rank_lib.ReplyScorer(model, tok, info_template="Reference: {ground_truth}", batch_size=2, bucket=16)
+    scorer = ranking.ReplyScorer(model, tok, info_template="Reference: {ground_truth}", batch_size=2, bucket=16)
     got = scorer(items)
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))  # unpadded, one sequence at a time
     for (prompt, text), score in zip(items, got):
-        seq = rank_lib.critic_sequence(tok, prompt, text, info_template="Reference: {ground_truth}",
+        seq = ranking.critic_sequence(tok, prompt, text, info_template="Reference: {ground_truth}",
                                        info_placement="system")
         assert "Reference: def f(x)" in tok.decode(seq.input_ids.tolist())  # the critic sees c
         logits = np.asarray(forward(state, seq.input_ids[None]))[0]
@@ -148,6 +148,8 @@ def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     import importlib.util
     import pathlib
 
+    from sweet_jax import rank
+
     spec = importlib.util.spec_from_file_location("rank_config", pathlib.Path(__file__).parents[1] / "configs/rank.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -159,7 +161,7 @@ def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     config.output = str(tmp_path / "pairs.jsonl")
     config.max_new_tokens = 8
     config.progress = False
-    result = rank_lib.run(config)
+    result = rank.run(config)
     records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert result["turns"] == 3 and result["pairs_written_now"] == len(records) > 0
     from sweet_jax import rundir

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sweet_jax import rollout as rollout_lib
+from sweet_jax import collect
 from sweet_jax.envs import ANSWER_MARKER, OpenAISimulator, ScriptedSimulator
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def asking_then_answering_policy(messages):
 
 
 def keys_of(path):
-    return [(r["rollout"]["task_index"], r["rollout"]["sample"]) for r in rollout_lib.read_records(path)]
+    return [(r["rollout"]["task_index"], r["rollout"]["sample"]) for r in collect.read_records(path)]
 
 
 def test_rollout_writes_official_trajectories_with_rewards(tmp_path):
@@ -47,20 +47,20 @@ def test_rollout_writes_official_trajectories_with_rewards(tmp_path):
 
     tasks[4]["ground_truth"] = "def f(x):\n    return x - 4"  # the policy's answer fails this one
     with Evaluator(workers=2, timeout_s=5.0) as evaluator:
-        summary = rollout_lib.rollout(tasks, rollout_lib.FunctionPolicy(asking_then_answering_policy),
+        summary = collect.rollout(tasks, collect.FunctionPolicy(asking_then_answering_policy),
                                       ScriptedSimulator(), out, best_of=2, batch_size=3, evaluator=evaluator,
                                       progress=False)
     assert sorted(keys_of(out)) == [(i, s) for i in range(5) for s in range(2)]
     loaded = load_trajectories(out)
     assert len(loaded) == 10
     assert all(t.reward == (0.0 if t.extra["rollout"]["task_index"] == 4 else 1.0) for t in loaded)
-    first = rollout_lib.read_records(out)[0]
+    first = collect.read_records(out)[0]
     assert first["task"] == tasks[first["rollout"]["task_index"]]
     assert [d["role"] for d in first["dialogue_history"]] == ["user", "assistant", "user", "assistant", "user",
                                                               "assistant"]
     assert summary == {"episodes": 10, "failed_episodes": 0, "success_rate": 0.8, "tests_passed_pct": 80.0,
                        "mean_reward": 0.8, "turns_per_episode": 3.0}
-    assert json.loads(rollout_lib.summary_path(out).read_text()) == summary
+    assert json.loads(collect.summary_path(out).read_text()) == summary
 
 
 class Crash(Exception):
@@ -70,7 +70,7 @@ class Crash(Exception):
 def test_rerun_after_a_crash_completes_without_duplicates(tmp_path):
     out = tmp_path / "traj.jsonl"
     tasks = make_tasks(7)
-    policy = rollout_lib.FunctionPolicy(asking_then_answering_policy)
+    policy = collect.FunctionPolicy(asking_then_answering_policy)
     batches = []
 
     def crash_after_two_batches(n):
@@ -79,12 +79,12 @@ def test_rerun_after_a_crash_completes_without_duplicates(tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        rollout_lib.rollout(tasks, policy, ScriptedSimulator(), out, best_of=2, batch_size=4, progress=False,
+        collect.rollout(tasks, policy, ScriptedSimulator(), out, best_of=2, batch_size=4, progress=False,
                             on_batch=crash_after_two_batches)
     assert len(keys_of(out)) == 8
     with open(out, "a") as f:  # a write the crash cut short
         f.write('{"task": {"problem_desc')
-    summary = rollout_lib.rollout(tasks, policy, ScriptedSimulator(), out, best_of=2, batch_size=4, progress=False)
+    summary = collect.rollout(tasks, policy, ScriptedSimulator(), out, best_of=2, batch_size=4, progress=False)
     keys = keys_of(out)
     assert sorted(keys) == [(i, s) for i in range(7) for s in range(2)] and len(set(keys)) == len(keys)
     assert summary["episodes"] == 14
@@ -92,11 +92,11 @@ def test_rerun_after_a_crash_completes_without_duplicates(tmp_path):
 
 def test_resume_refuses_an_output_written_for_other_tasks(tmp_path):
     out = tmp_path / "traj.jsonl"
-    policy = rollout_lib.FunctionPolicy(asking_then_answering_policy)
-    rollout_lib.rollout(make_tasks(2), policy, ScriptedSimulator(), out, progress=False)
+    policy = collect.FunctionPolicy(asking_then_answering_policy)
+    collect.rollout(make_tasks(2), policy, ScriptedSimulator(), out, progress=False)
     other = make_tasks(3)[1:]
-    with pytest.raises(rollout_lib.RolloutError, match="other tasks"):
-        rollout_lib.rollout(other, policy, ScriptedSimulator(), out, progress=False)
+    with pytest.raises(collect.RolloutError, match="other tasks"):
+        collect.rollout(other, policy, ScriptedSimulator(), out, progress=False)
 
 
 class PoisonEndpoint:
@@ -146,12 +146,12 @@ def test_failed_simulator_episodes_are_recorded_with_reason_and_the_run_goes_on(
     endpoint = PoisonEndpoint()
     try:
         simulator = OpenAISimulator(endpoint.base_url, "sim", max_retries=2, backoff_s=0.01, timeout_s=5)
-        summary = rollout_lib.rollout(tasks, rollout_lib.FunctionPolicy(asking_then_answering_policy), simulator,
+        summary = collect.rollout(tasks, collect.FunctionPolicy(asking_then_answering_policy), simulator,
                                       out, batch_size=4, progress=False)
     finally:
         endpoint.close()
     assert sorted(keys_of(out)) == [(0, 0), (3, 0)]
-    failures = {r["task_index"]: r for r in rollout_lib.read_records(rollout_lib.failures_path(out))}
+    failures = {r["task_index"]: r for r in collect.read_records(collect.failures_path(out))}
     assert sorted(failures) == [1, 2]
     assert "simulator" in failures[1]["reason"] and "InternalServerError" in failures[1]["reason"]
     assert "after 3 attempt" in failures[2]["reason"]
@@ -159,7 +159,7 @@ def test_failed_simulator_episodes_are_recorded_with_reason_and_the_run_goes_on(
     assert summary["episodes"] == 2 and summary["failed_episodes"] == 2
     # A rerun retries only the failed episodes (here the endpoint is gone: they fail again, nothing is duplicated).
     simulator = OpenAISimulator(endpoint.base_url, "sim", max_retries=0, timeout_s=2)
-    summary = rollout_lib.rollout(tasks, rollout_lib.FunctionPolicy(asking_then_answering_policy), simulator, out,
+    summary = collect.rollout(tasks, collect.FunctionPolicy(asking_then_answering_policy), simulator, out,
                                   progress=False)
     assert summary["failed_episodes"] == 2 and sorted(keys_of(out)) == [(0, 0), (3, 0)]
 
@@ -222,5 +222,5 @@ def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, s
         humans = [d for d in t.dialogue_history[1:] if d.role == "user"]
         assert len(humans) == len(replies) - 1 and all(len(h.content) <= 400 for h in humans)
     assert "8 episodes" in second.stdout and "success rate" in second.stdout
-    assert json.loads(rollout_lib.summary_path(out).read_text())["episodes"] == 8
+    assert json.loads(collect.summary_path(out).read_text())["episodes"] == 8
     assert simulator_server.app.engine.batch_sizes, "the simulator server was never asked"

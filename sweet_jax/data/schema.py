@@ -174,6 +174,92 @@ class Trajectory:
         return cls(task, turns, answer, reward, {k: v for k, v in obj.items() if k not in known})
 
 
+@dataclasses.dataclass(frozen=True)
+class CandidatesRecord:
+    """One line of the pipeline's candidates/candidates.jsonl: the replies sampled from the starting policy for
+    the turn prefix o_t before reply `turn` of offline trajectory `trajectory_index` (shared by both rankings)."""
+    trajectory_index: int
+    turn: int                          # 1-based index of the assistant reply the prompt precedes
+    texts: list[str]                   # [N] the sampled replies
+    sampler_logp: list[float]          # [N] each reply's mean log-prob under the sampler (no c)
+    prompt_text: str                   # the rendered prompt the replies were sampled from
+    prompt_ids: list[int] | None = None        # its token ids, and each reply's (stop token included): the
+    token_ids: list[list[int]] | None = None   # policy pairs carry them to the DPO step
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.trajectory_index, self.turn)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj, *, where: str = "") -> "CandidatesRecord":
+        _require_object(obj, where, "")
+        texts = _field(obj, "texts", list, where, "")
+        logp = _field(obj, "sampler_logp", list, where, "")
+        if len(logp) != len(texts):
+            raise DataError(f"has {len(logp)} values for {len(texts)} texts", where=where, field="sampler_logp")
+        token_ids = obj.get("token_ids")
+        if token_ids is not None and len(token_ids) != len(texts):
+            raise DataError(f"has {len(token_ids)} replies for {len(texts)} texts", where=where, field="token_ids")
+        return cls(_field(obj, "trajectory_index", int, where, ""), _field(obj, "turn", int, where, ""), texts,
+                   [float(x) for x in logp], _field(obj, "prompt_text", str, where, ""), obj.get("prompt_ids"),
+                   token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyPair:
+    """One step-level policy pair (a line of `python -m sweet_jax.rank`'s output, rank*/pairs.jsonl): two
+    candidates for the same turn prefix, `chosen` scored strictly above `rejected` by the critic."""
+    trajectory_index: int
+    turn: int
+    task_key: str
+    prompt: list[dict]                 # the messages before the reply ({'role', 'content'}, ...)
+    prompt_text: str                   # the rendered prompt the candidates were sampled from
+    chosen: str
+    rejected: str
+    chosen_score: float
+    rejected_score: float
+    rank_reference: str                # what the critic's log-prob was measured against (ref_with_info | sampler)
+    prompt_ids: list[int] | None = None      # the token ids the sampler read and wrote, when known: the DPO
+    chosen_ids: list[int] | None = None      # step trains on them rather than on the texts tokenised again
+    rejected_ids: list[int] | None = None
+
+    IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.trajectory_index, self.turn)
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        if self.chosen_ids is None or self.prompt_ids is None:
+            for name in self.IDS:
+                del out[name]
+        return out
+
+    @classmethod
+    def from_json(cls, obj, *, where: str = "") -> "PolicyPair":
+        _require_object(obj, where, "")
+        number = lambda name: float(_field(obj, name, (int, float), where, ""))  # noqa: E731
+        ids = {name: obj.get(name) for name in cls.IDS}
+        for name, value in ids.items():
+            if value is not None and not isinstance(value, list):
+                raise DataError(f"must be a list of token ids, got {type(value).__name__}", where=where, field=name)
+        return cls(_field(obj, "trajectory_index", int, where, ""), _field(obj, "turn", int, where, ""),
+                   str(obj.get("task_key", "")), _field(obj, "prompt", list, where, ""),
+                   str(obj.get("prompt_text", "")), _field(obj, "chosen", str, where, ""),
+                   _field(obj, "rejected", str, where, ""), number("chosen_score"), number("rejected_score"),
+                   str(obj.get("rank_reference", "")), **ids)
+
+
+def load_records(path, record_type) -> list:
+    """Every line of a JSONL file of `record_type` (CandidatesRecord, PolicyPair), checked: a bad line is a
+    DataError naming file:line and the field. An empty file is an empty list."""
+    return [record_type.from_json(jsonl.parse(line, where), where=where) for where, line in jsonl.lines(path)]
+
+
 def _require_object(obj, where, field):
     if not isinstance(obj, dict):
         raise DataError(f"must be a JSON object, got {type(obj).__name__}", where=where, field=field)
@@ -183,8 +269,9 @@ def _field(obj: dict, name: str, typ, where: str, prefix: str):
     if name not in obj:
         raise DataError("is missing", where=where, field=prefix + name)
     value = obj[name]
-    if not isinstance(value, typ):
-        raise DataError(f"must be {typ.__name__}, got {type(value).__name__}", where=where, field=prefix + name)
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+        names = " or ".join(x.__name__ for x in typ) if isinstance(typ, tuple) else typ.__name__
+        raise DataError(f"must be {names}, got {type(value).__name__}", where=where, field=prefix + name)
     return value
 
 

@@ -1,0 +1,144 @@
+"""The pipeline's results: the paper-style table (markdown), a bar chart (PNG), and their mean over seeds
+(mean +- standard deviation over the runs' results.json), written by the pipeline's report stage and by
+`python -m sweet_jax.pipeline_report`."""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Sequence
+
+import numpy as np
+
+from sweet_jax.errors import SweetJaxError
+
+# Rows in the paper's order (its Table 1), with the names it uses.
+METHOD_NAMES = {
+    "zero_shot": "Zero-Shot",
+    "rft": "Rejection Fine-Tuning",
+    "mtdpo": "Multi-Turn DPO",
+    "sweet_no_info": "SWEET-RL w/o training-time information",
+    "sweet": "SWEET-RL",
+}
+METRICS = (("tests_passed_pct", "% Tests Passed"), ("success_rate_pct", "Success Rate"))
+# The frontend track's (the paper's Table 1, right half): CLIP cosine x 100 and win rate against zero-shot.
+FRONTEND_METRICS = (("cosine_pct", "Cosine Similarity (x100)"), ("win_rate_pct", "Win Rate vs Zero-Shot (%)"))
+
+
+def metrics_of(runs: Sequence[dict]):
+    return FRONTEND_METRICS if runs[0].get("track") == "frontend" else METRICS
+
+
+class ReportError(SweetJaxError):
+    """A results file that is missing or not from the pipeline."""
+
+
+def read_results(workdir) -> dict:
+    path = pathlib.Path(workdir) / "results.json"
+    if not path.exists():
+        raise ReportError(f"{path} does not exist: run `python -m sweet_jax.pipeline --workdir {workdir}` to the end")
+    results = json.loads(path.read_text())
+    if "methods" not in results:
+        raise ReportError(f"{path}: no 'methods' field; this file was not written by sweet_jax.pipeline")
+    return results
+
+
+def _cell(values: Sequence[float]) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{np.mean(values):.1f} ± {np.std(values):.1f}"
+
+
+def results_table(runs: Sequence[dict], *, title: str = "") -> str:
+    """Markdown: one row per method (the paper's order), % tests passed and success rate on held-out tasks;
+    mean ± std over runs when there are several."""
+    methods = [m for m in METHOD_NAMES if any(m in r["methods"] for r in runs)]
+    model = runs[0].get("model", "policy")
+    seeds = [r.get("seed") for r in runs]
+    episodes = runs[0]["methods"][methods[0]].get("episodes") if methods else None
+    lines = []
+    if title:
+        lines += [f"### {title}", ""]
+    lines += [f"Held-out tasks: {runs[0].get('heldout_tasks')} ({episodes} episodes per method and run); "
+              f"seeds: {', '.join(str(s) for s in seeds)}" + ("; mean ± std over seeds." if len(runs) > 1 else "."),
+              "", f"| {model} | " + " | ".join(name for _, name in metrics_of(runs)) + " |",
+              "|---|" + "---|" * len(metrics_of(runs))]
+    for m in methods:
+        cells = [_cell([r["methods"][m][key] for r in runs if m in r["methods"]]) for key, _ in metrics_of(runs)]
+        lines.append(f"| {METHOD_NAMES[m]} | " + " | ".join(cells) + " |")
+    diag = _diagnostics(runs)
+    if diag:
+        lines += ["", "| Diagnostics | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|" + "---|" * len(runs)] + diag
+    return "\n".join(lines) + "\n"
+
+
+DIAGNOSTICS = (
+    ("offline_success_pct", "offline trajectories: success rate of the starting policy (%)"),
+    ("offline_tests_passed_pct", "offline trajectories: % tests passed"),
+    ("critic_pairs", "critic (trajectory) pairs"),
+    ("critic_heldout_accuracy", "critic with c: held-out pair accuracy"),
+    ("critic_no_info_heldout_accuracy", "critic without c: held-out pair accuracy"),
+    ("policy_pairs", "step-level policy pairs (with c)"),
+    ("policy_pairs_no_info", "step-level policy pairs (without c)"),
+    ("pair_agreement", "ranking with c vs without c: same chosen side (%)"),
+    ("pair_oracle_agreement", "pairs with c whose chosen reply is truly better (%, synthetic oracle)"),
+    ("pair_oracle_agreement_no_info", "pairs without c whose chosen reply is truly better (%)"),
+    ("minutes", "wall-clock minutes of all stages"),
+    ("cpu_minutes", "CPU minutes of all stages (this process)"),
+    ("load_average", "mean 1-min load average at the stages' starts and ends"),
+    ("init_reused_from", "starting policy copied from"),
+)
+
+
+def _diagnostics(runs: Sequence[dict]) -> list[str]:
+    rows = []
+    for key, name in DIAGNOSTICS:
+        values = [r.get("diagnostics", {}).get(key) for r in runs]
+        if all(v is None for v in values):
+            continue
+        cells = ["n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else
+                                          pathlib.Path(v).name if isinstance(v, str) else str(v)) for v in values]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def bar_chart(runs: Sequence[dict], png_path, *, title: str = "") -> pathlib.Path:
+    """Grouped bars: % tests passed and success rate per method (error bars = std over runs)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in METHOD_NAMES if any(m in r["methods"] for r in runs)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(methods)), 4.0))
+    width = 0.38
+    x = np.arange(len(methods))
+    for k, (key, name) in enumerate(metrics_of(runs)):
+        values = [[r["methods"][m][key] for r in runs if m in r["methods"]] for m in methods]
+        means = [float(np.mean(v)) for v in values]
+        errs = [float(np.std(v)) if len(v) > 1 else 0.0 for v in values]
+        bars = ax.bar(x + (k - 0.5) * width, means, width, yerr=errs if len(runs) > 1 else None, capsize=3,
+                      label=name)
+        for b, v in zip(bars, means):
+            ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x)
+    ax.set_xticklabels([METHOD_NAMES[m].replace(" w/o ", "\nw/o ") for m in methods], fontsize=8)
+    ax.set_ylabel("held-out tasks (%)")
+    ax.set_ylim(0, max(5.0, ax.get_ylim()[1] * 1.1))
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"{runs[0].get('task', '')} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    fig.tight_layout()
+    png_path = pathlib.Path(png_path)
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path
+
+
+def write_report(runs: Sequence[dict], out_dir, *, title: str = "") -> tuple[pathlib.Path, pathlib.Path]:
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "results.md"
+    md.write_text(results_table(runs, title=title))
+    png = bar_chart(runs, out_dir / "results.png", title=title)
+    return md, png
