@@ -7,8 +7,14 @@
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool;
-completions: int); top_k as an extension. Streaming, echo and top-N alternatives (top_logprobs) are not
-served: a request asking for them gets a 400 with the reason.
+completions: int); top_k, stop_token_ids as extensions. Streaming, echo and top-N alternatives (top_logprobs) are
+not served: a request asking for them gets a 400 with the reason.
+
+Token ids in and out, as vLLM serves them (what sweet_jax.policy_backend's `openai` backend sends): a completions
+`prompt` may be token ids (a list of ints, or a list of such lists); `return_tokens_as_token_ids: true` writes each
+`logprobs.tokens` entry as "token_id:N" (vLLM's --return-tokens-as-token-ids, per request), `return_token_ids: true`
+adds `prompt_token_ids` and `token_ids` to each choice (vLLM >= 0.10.2). The sampled ids include the stop token that
+ended a reply, with its log-prob, as vLLM's do.
 
 Batching: each HTTP request is handled on its own thread, validated (a 400 naming the field; 404 for a model
 this server does not serve), and queued; an engine thread takes the first queued request, waits
@@ -170,7 +176,8 @@ def _short(value) -> str:
 _COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "max_tokens", "stop", "seed", "stream",
                   "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "stop_token_ids", "return_tokens_as_token_ids",
+                                      "return_token_ids"}
 
 
 def _check_fields(body: dict, allowed: set) -> None:
@@ -208,7 +215,13 @@ def sampling_params(body: dict, *, default_max_tokens: int, vocab_size: int | No
         raise BadRequest(f"'stop' must be at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} "
                          "characters", "stop")
     top_k_max = vocab_size or 2**31 - 1
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or len(stop_token_ids) > 64 or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < top_k_max for i in stop_token_ids):
+        raise BadRequest(f"'stop_token_ids' must be a list of at most 64 token ids in [0, {top_k_max}), got "
+                         f"{_short(stop_token_ids)}", "stop_token_ids")
     return SamplingParams(
+        stop_token_ids=tuple(stop_token_ids),
         max_new_tokens=max_tokens,
         temperature=_field(body, "temperature", float, 1.0, check=lambda v: 0 <= v <= 2, why="must be in [0, 2]"),
         top_p=_field(body, "top_p", float, 1.0, check=lambda v: 0 < v <= 1, why="must be in (0, 1]"),
@@ -335,23 +348,28 @@ class OpenAIApp:
         if body.get("suffix"):
             raise BadRequest("suffix is not supported", "suffix")
         logprobs = _field(body, "logprobs", int, None, check=lambda v: 0 <= v <= 5, why="must be in [0, 5]")
+        as_ids = _field(body, "return_tokens_as_token_ids", bool, False)
+        return_ids = _field(body, "return_token_ids", bool, False)
         params = self._params(body, 16)  # OpenAI's default for completions
         try:
             prompt_ids = [self.sampler.encode(p) for p in prompts]
         except GenerateError as e:
             raise BadRequest(str(e), "prompt") from e
         choices, all_samples = [], []
-        for samples in self._run(prompt_ids, params):
+        for ids, samples in zip(prompt_ids, self._run(prompt_ids, params)):
             for s in samples:
                 choice = {"index": len(choices), "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
                 if logprobs is not None:
-                    tokens = self.sampler.token_texts(s.token_ids)
+                    texts = self.sampler.token_texts(s.token_ids)
                     offsets, pos = [], 0
-                    for t in tokens:
+                    for t in texts:
                         offsets.append(pos)
                         pos += len(t)
+                    tokens = [f"token_id:{i}" for i in s.token_ids] if as_ids else texts
                     choice["logprobs"] = {"tokens": tokens, "token_logprobs": s.logprobs,
                                           "top_logprobs": None, "text_offset": offsets}
+                if return_ids:
+                    choice.update(prompt_token_ids=list(ids), token_ids=[int(i) for i in s.token_ids])
                 choices.append(choice)
                 all_samples.append(s)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
