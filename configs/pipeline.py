@@ -22,6 +22,8 @@ fields as configs/critic.py and configs/policy.py) with the values below.
 """
 import ml_collections
 
+from sweet_jax import policy_backend
+
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")
 METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")
 
@@ -148,6 +150,13 @@ def get_config(preset: str = "demo"):
     c.train.ref_logp = "precompute"
     c.train.max_batch_size = 128      # sampler rows per compiled call (rollouts)
     c.train.sampler_mesh_shape = ()   # () = samplers on one device; (1, -1, 1) = FSDP over every chip
+
+    # Where the policy samples (offline, candidates and eval stages): in_process, or openai = an inference engine
+    # (vLLM, SGLang, python -m sweet_jax.serve) started per policy from policy.openai.command after the policy is
+    # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/policy_backend.py.
+    c.policy = ml_collections.ConfigDict()
+    c.policy.backend = "in_process"
+    c.policy.openai = policy_backend.openai_config()
 
     c.simulator = ml_collections.ConfigDict()
     c.simulator.kind = "synthetic"    # synthetic (data/synthetic.simulator_reply) | hidden_info | openai

@@ -18,6 +18,8 @@ Presets:
 """
 import ml_collections
 
+from sweet_jax import policy_backend
+
 # The critic must read c exactly as it was trained: keep these equal to the critic run's data settings.
 OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
 
@@ -32,6 +34,8 @@ def get_config(preset: str = "demo"):
     c.policy.path = ""            # HF directory of the policy that samples candidates; '' = demo tiny random
     c.policy.tokenizer = ""       # '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"
+    c.policy.backend = "in_process"  # in_process | openai: the candidates from an engine (sweet_jax/policy_backend.py)
+    c.policy.openai = policy_backend.openai_config()
 
     c.critic = ml_collections.ConfigDict()
     c.critic.path = ""            # HF directory of the trained critic (or a training workdir); '' = demo random

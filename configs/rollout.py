@@ -20,6 +20,8 @@ Presets:
 """
 import ml_collections
 
+from sweet_jax import policy_backend
+
 
 def get_config(preset: str = "demo"):
     c = ml_collections.ConfigDict()
@@ -27,6 +29,8 @@ def get_config(preset: str = "demo"):
     c.policy.path = ""            # HF checkpoint directory of the policy; '' = the demo tiny random model
     c.policy.tokenizer = ""       # tokenizer directory; '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"    # parameter dtype when loading (bfloat16 for 8B on TPU)
+    c.policy.backend = "in_process"  # in_process | openai: the policy on an engine (sweet_jax/policy_backend.py)
+    c.policy.openai = policy_backend.openai_config()
 
     c.tasks = ""                  # ColBench tasks JSONL; '' = the bundled demo tasks
     c.num_tasks = 0               # first N tasks; 0 = all

@@ -15,7 +15,8 @@ skipped, so rerunning the command resumes an interrupted run):
   critic         critic/hf: the step-level critic trained with the Bradley-Terry loss, reading c (train.py);
   critic_no_info critic_no_info/hf: the same without c (the ablation).
   candidates     candidates/candidates.jsonl: num_candidates replies sampled from the starting policy for each
-                 (sampled) turn prefix of the offline trajectories, shared by both rankings.
+                 (sampled) turn prefix of the offline trajectories, shared by both rankings (appended batch by
+                 batch: an interrupted stage resumes).
   rank, rank_no_info  rank*/pairs.jsonl: candidates scored by each critic, step-level pairs (sweet_jax.rank).
   policy_*       policies/*/hf: SWEET-RL (step-level DPO), SWEET-RL without c, rejection fine-tuning (SFT on the
                  successful offline trajectories), multi-turn DPO (trajectory-level DPO on the critic's pairs,
@@ -23,9 +24,14 @@ skipped, so rerunning the command resumes an interrupted run):
   eval_*         eval/<method>/trajectories.jsonl: every policy on the held-out tasks (rollout with the
                  simulator and the sandbox): success rate and % tests passed.
   report         results.json, results.md (the paper's table) and results.png (bar chart).
+
+Where the policy samples (offline, candidates, eval_*): config.policy.backend = in_process, or openai = an
+inference engine (vLLM, SGLang, python -m sweet_jax.serve) started for each policy from config.policy.openai.command
+after its export, or running at config.policy.openai.base_urls (sweet_jax/policy_backend.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -64,6 +70,7 @@ class Run:
     workdir: pathlib.Path
     _evaluator: Any = None
     sampler: Any = None
+    starting_policy: str = ""   # the init stage's policy_hf
     skipped: list = dataclasses.field(default_factory=list)
     ran: list = dataclasses.field(default_factory=list)
 
@@ -431,25 +438,44 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
     return run.sampler
 
 
+@contextlib.contextmanager
+def policy_sampler(run: Run, hf_dir: str, d: pathlib.Path, *, seed: int):
+    """The policy in hf_dir as a sampler for one stage (config.policy.backend): the run's in-process Sampler, or
+    an OpenAISampler over an engine started from config.policy.openai.command for hf_dir (stopped at the end of
+    the stage, its output in d/engine.log) or at config.policy.openai.base_urls (serving the starting policy)."""
+    from sweet_jax import policy_backend
+
+    p = run.config.get("policy")
+    backend = p.backend if p is not None else "in_process"
+    if backend == "openai" and not p.openai.command and hf_dir != run.starting_policy:
+        raise PipelineError(f"config.policy.backend='openai' with base_urls only: the running engines serve the "
+                            f"starting policy, but this stage samples {hf_dir}; set config.policy.openai.command "
+                            "so that the pipeline starts an engine for each policy it trains")
+    with policy_backend.policy_sampler(backend, p.openai if p is not None else None, hf_dir, tokenizer_dir(run.config),
+                                       lambda: load_sampler(run, hf_dir, seed=seed), field="config.policy.backend",
+                                       seed=seed, engine_log=d / "engine.log") as sampler:
+        yield sampler
+
+
 def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, best_of: int, temperature: float,
          max_new_tokens: int, batch_size: int, max_turns: int, seed: int) -> dict:
     """Episodes of the policy in hf_dir on `tasks`, written to out (resumable), scored in the sandbox."""
     from sweet_jax.collect import SamplerPolicy, agent_prompt_for, make_simulator, rollout
 
-    sampler = load_sampler(run, hf_dir, seed=seed)
-    policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
-                           system_prompt=agent_prompt_for(run.config), seed=seed)
-    if run.frontend:
-        from sweet_jax.envs.frontend import FrontendEnv
-        track = run.frontend_track
-        return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
-                       max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
-    simulator = make_simulator(run.config.simulator, field="config.simulator")
-    try:
-        return rollout(tasks, policy, simulator, out, best_of=best_of, batch_size=batch_size, max_turns=max_turns,
-                       evaluator=run.evaluator, progress=True)
-    finally:
-        simulator.close()
+    with policy_sampler(run, hf_dir, out.parent, seed=seed) as sampler:
+        policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
+                               system_prompt=agent_prompt_for(run.config), seed=seed)
+        if run.frontend:
+            from sweet_jax.envs.frontend import FrontendEnv
+            track = run.frontend_track
+            return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
+                           max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
+        simulator = make_simulator(run.config.simulator, field="config.simulator")
+        try:
+            return rollout(tasks, policy, simulator, out, best_of=best_of, batch_size=batch_size,
+                           max_turns=max_turns, evaluator=run.evaluator, progress=True)
+        finally:
+            simulator.close()
 
 
 # ==========================================================================================================
@@ -539,26 +565,33 @@ def ranked_prompts(run: Run, trajectories: str):
 
 
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
+    """num_candidates replies for every ranked prompt, appended batch by batch: an interrupted stage resumes at
+    the first batch not written (each batch's seed is fixed by its position, so the file is the same either way)."""
     from sweet_jax import ranking
     from sweet_jax.collect import agent_prompt_for
-    from sweet_jax.data.schema import CandidatesRecord
+    from sweet_jax.data.schema import CandidatesRecord, load_records
     from tqdm import tqdm
 
     c = run.config
     prompts = ranked_prompts(run, trajectories)
-    sampler = load_sampler(run, policy_hf, seed=c.seed + 200)
-    rows = []
+    out = d / "candidates.jsonl"
+    done = {(r["trajectory_index"], r["turn"]) for r in jsonl.read(out, partial="repair")}
     per = c.rank.prompts_per_batch
-    for start in tqdm(range(0, len(prompts), per), desc="candidates", unit="batch"):
-        batch = prompts[start:start + per]
-        cands = ranking.sample_candidates(sampler, batch, n=c.rank.num_candidates,
-                                          max_new_tokens=c.rank.max_new_tokens, temperature=c.rank.temperature,
-                                          seed=c.seed * 1_000_003 + start, system_prompt=agent_prompt_for(c))
-        for p, cand in zip(batch, cands):
-            rows.append(CandidatesRecord(p.trajectory_index, p.turn, cand.texts,
-                                         [float(x) for x in cand.sampler_logp], cand.prompt_text,
-                                         cand.prompt_ids, cand.token_ids))  # the pairs carry the ids
-    write_jsonl(d / "candidates.jsonl", rows)
+    starts = [s for s in range(0, len(prompts), per) if any(p.key not in done for p in prompts[s:s + per])]
+    if starts:
+        with policy_sampler(run, policy_hf, d, seed=c.seed + 200) as sampler:
+            for start in tqdm(starts, desc="candidates", unit="batch"):
+                batch = prompts[start:start + per]
+                cands = ranking.sample_candidates(sampler, batch, n=c.rank.num_candidates,
+                                                  max_new_tokens=c.rank.max_new_tokens,
+                                                  temperature=c.rank.temperature, seed=c.seed * 1_000_003 + start,
+                                                  system_prompt=agent_prompt_for(c))
+                jsonl.append(out, [CandidatesRecord(p.trajectory_index, p.turn, cand.texts,
+                                                    [float(x) for x in cand.sampler_logp], cand.prompt_text,
+                                                    cand.prompt_ids, cand.token_ids)  # the pairs carry the ids
+                                   for p, cand in zip(batch, cands) if p.key not in done])
+    out.touch()
+    rows = load_records(out, CandidatesRecord)
     distinct = np.mean([len(set(r.texts)) for r in rows]) if rows else 0.0
     return {"prompts": len(rows), "candidates": sum(len(r.texts) for r in rows),
             "mean_distinct_per_prompt": float(distinct)}
@@ -725,7 +758,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
     try:
         s["tasks"] = run.stage("tasks", "tasks", lambda d: stage_tasks(run, d))
         s["init"] = run.stage("init", "init", lambda d: stage_init(run, d))
-        policy_hf = s["init"]["policy_hf"]
+        policy_hf = run.starting_policy = s["init"]["policy_hf"]
         s["offline"] = run.stage("offline", "offline", lambda d: stage_offline(run, d, policy_hf))
         traj = s["offline"]["trajectories"]
         needs = {"critic": "sweet" in methods, "critic_no_info": "sweet_no_info" in methods}

@@ -17,10 +17,8 @@ log = logging.getLogger("sweet_jax.rank")
 
 
 def run(config) -> dict:
-    from sweet_jax import generate
-    from sweet_jax.data import demo, schema, tokenizers
-    from sweet_jax.envs import AGENT_PROMPT
-    from sweet_jax import rundir
+    from sweet_jax import policy_backend, rundir
+    from sweet_jax.data import demo, schema
 
     mesh = rundir.make_mesh(config.mesh.shape)
     trajectories = schema.load_trajectories(config.trajectories or str(demo.paths().trajectories),
@@ -28,9 +26,20 @@ def run(config) -> dict:
     if config.num_trajectories > 0:
         trajectories = trajectories[:config.num_trajectories]
     prompts = turn_prompts(trajectories)
-    sampler: generate.Sampler = rundir.load_sampler(config.policy.path, config.policy.tokenizer,
-                                                    dtype=config.policy.dtype, seed=config.seed, mesh=mesh,
-                                                    max_batch_size=config.max_batch_size)
+    p = config.policy
+    with policy_backend.policy_sampler(
+            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
+            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+        return rank_with(config, prompts, sampler, mesh)
+
+
+def rank_with(config, prompts, sampler, mesh) -> dict:
+    """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
+    from sweet_jax import rundir
+    from sweet_jax.data import tokenizers
+    from sweet_jax.envs import AGENT_PROMPT
+
     tokenizer = sampler.tokenizer
     tokenizers.check_chat_template(tokenizer)
     critic, critic_run = rundir.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
@@ -49,7 +58,8 @@ def run(config) -> dict:
     reference_logp = None
     if config.rank_reference == "ref_with_info":
         ref_path = config.reference.path or config.policy.path
-        reference = sampler.model if ref_path == config.policy.path else rundir.load_model(
+        in_process = getattr(sampler, "model", None) is not None  # the openai backend holds no weights here
+        reference = sampler.model if ref_path == config.policy.path and in_process else rundir.load_model(
             ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
         reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
     calls = [0]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from sweet_jax import collect, rundir
+from sweet_jax import collect, policy_backend, rundir
 from sweet_jax.collect import RolloutError, failures_path, summarize, summary_path
 
 
@@ -38,8 +38,19 @@ def run(config) -> dict:
     if config.get("layout", "by_task") not in ("by_task", "official"):
         raise RolloutError(f"layout={config.layout!r}: use by_task or official (the official block layout)")
     mesh = rundir.make_mesh(config.mesh.shape)
-    sampler = rundir.load_sampler(config.policy.path, config.policy.tokenizer, dtype=config.policy.dtype,
-                                  seed=config.seed, mesh=mesh, max_batch_size=config.max_batch_size)
+    p = config.policy
+    if p.backend == "openai" and config.simulator.kind == "model" and not config.simulator.path:
+        raise RolloutError("simulator.kind='model' with simulator.path='' plays the human with the policy's own "
+                           "in-process model; with policy.backend='openai' set simulator.path")
+    with policy_backend.policy_sampler(
+            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
+            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+        return play(config, tasks, sampler, mesh, frontend=frontend)
+
+
+def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
+    """The episodes of the config's tasks with the policy `sampler` (in-process or an engine)."""
     policy = collect.SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
                                    temperature=config.sampling.temperature, top_p=config.sampling.top_p,
                                    top_k=config.sampling.top_k, system_prompt=collect.agent_prompt_for(config),

@@ -1,0 +1,114 @@
+"""Candidates per second: the in-process sampler vs the same sampler behind the `openai` policy backend (HTTP).
+
+    python bench/bench_policy_backend.py [--prompts 64] [--n 8] [--new-tokens 32] [--repeats 3]
+
+The pipeline's candidates stage in miniature: `prompts` turn prompts (the demo tokenizer's chat template over
+short dialogues), `n` candidates each, `new-tokens` new tokens, temperature 1.0 with a fixed seed, on a random
+model of the demo policy's shape (hidden 64, 2 layers, the demo tokenizer's vocabulary).
+
+  in_process   ranking.sample_candidates(Sampler): one generate call, sample rows batched `max_batch_size` at a
+               time (the pipeline's setting: 64 rows);
+  openai@C     the same call through policy_backend.OpenAISampler with C requests in flight (one prompt and its
+               n samples each), to sweet_jax.serve's OpenAIApp over the *same* Sampler object (same compiled
+               programs) on 127.0.0.1, which batches concurrent requests up to the same 64 rows.
+
+Both sides draw the same candidates (request j carries the in-process seed of prompt j); the script checks it.
+Each side is run once to compile every shape, then timed `repeats` times (median). Candidates/s = prompts x n /
+seconds; the overhead is 1 - (openai candidates/s) / (in_process candidates/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def build_model(path: str) -> None:
+    import torch
+    import transformers
+
+    from sweet_jax.data import demo
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo.paths().tokenizer)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def turn_prompts(count: int):
+    from sweet_jax import ranking
+    from sweet_jax.data.schema import Trajectory
+
+    rows = [Trajectory.from_json({
+        "task": {"problem_description": f"write f{i}", "ground_truth": f"def f{i}(x): return {i}",
+                 "test_cases": {"t": f"f{i}(1)"}},
+        "dialogue_history": [{"role": "user", "content": f"Write a function f{i} that returns {i} times x."},
+                             {"role": "assistant", "content": "I WANT TO ANSWER: ..."}]}) for i in range(count)]
+    return ranking.turn_prompts(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", default="1,8,64")
+    args = parser.parse_args()
+
+    from sweet_jax import policy_backend, ranking, rundir
+    from sweet_jax.serve import start_server
+
+    model_dir = tempfile.mkdtemp(prefix="bench_policy_backend_")
+    build_model(model_dir)
+    sampler = rundir.load_sampler(model_dir, max_batch_size=64)
+    eos, context = policy_backend.hf_eos_ids(model_dir)
+    prompts = turn_prompts(args.prompts)
+    kw = dict(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0, seed=7)
+    server = start_server(sampler, model_name="bench", max_batch_size=64)
+
+    def timed(fn):
+        fn()  # compile every shape
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), out
+
+    rows = []
+    seconds, want = timed(lambda: ranking.sample_candidates(sampler, prompts, **kw))
+    base = args.prompts * args.n / seconds
+    rows.append({"backend": "in_process", "concurrency": None, "seconds": seconds, "candidates_per_s": base})
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        remote = policy_backend.OpenAISampler([server.url], sampler.tokenizer, model="bench", eos_token_ids=eos,
+                                              max_position_embeddings=context, concurrency=c)
+        seconds, got = timed(lambda: ranking.sample_candidates(remote, prompts, **kw))
+        same = sum(g.token_ids == w.token_ids for g, w in zip(got, want)) / len(want)
+        rows.append({"backend": "openai", "concurrency": c, "seconds": seconds,
+                     "candidates_per_s": args.prompts * args.n / seconds,
+                     "overhead_pct": 100.0 * (1 - args.prompts * args.n / seconds / base),
+                     "same_candidates_pct": 100.0 * same})
+    server.close()
+    print(f"{args.prompts} prompts x {args.n} candidates x {args.new_tokens} tokens, load {os.getloadavg()[0]:.1f}")
+    print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}")
+    for r in rows:
+        over = f"{r['overhead_pct']:.1f}%" if "overhead_pct" in r else "-"
+        same = f"{r['same_candidates_pct']:.0f}%" if "same_candidates_pct" in r else "-"
+        print(f"{r['backend']:<12}{r['concurrency'] or '-':>12}{r['seconds']:>10.2f}{r['candidates_per_s']:>10.1f}"
+              f"{over:>10}{same:>8}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

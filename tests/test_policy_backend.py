@@ -1,0 +1,220 @@
+"""The policy's `openai` sampling backend against `python -m sweet_jax.serve` over real HTTP on 127.0.0.1: the same
+candidates (token ids) and log-probs as the in-process sampler, and an engine killed mid-way is started again and
+the sampling goes on without losing or repeating a prompt."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+
+import numpy as np
+import pytest
+import requests
+
+from sweet_jax import policy_backend, ranking
+from sweet_jax.data.schema import Trajectory
+
+SERVE = "{python} -m sweet_jax.serve --model {hf_dir} --port {port} --served-model-name policy"
+
+
+@pytest.fixture(scope="module")
+def policy_hf(tmp_path_factory):
+    """A tiny random HF Llama with the demo tokenizer's files beside it (what the pipeline exports)."""
+    from tiny import make_hf_llama
+
+    from sweet_jax.data import demo, tokenizers
+
+    tok_dir = demo.paths().tokenizer
+    vocab = len(tokenizers.load_tokenizer(tok_dir))
+    path = make_hf_llama(tmp_path_factory.mktemp("policy") / "hf", "llama31", vocab_size=vocab,
+                         max_position_embeddings=2048, hidden_size=32, intermediate_size=64, num_layers=1)
+    for f in tok_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def in_process(policy_hf):
+    from sweet_jax import rundir
+    return rundir.load_sampler(str(policy_hf), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(policy_hf, tmp_path_factory):
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with policy_backend.Engine(SERVE, str(policy_hf), startup_timeout_s=300, log_path=log) as engine:
+        yield engine
+
+
+def remote(engine, in_process, hf_dir, **kw):
+    eos, context = policy_backend.hf_eos_ids(hf_dir)
+    return policy_backend.OpenAISampler([engine.url], in_process.tokenizer, eos_token_ids=eos,
+                                        max_position_embeddings=context, engine=engine, **kw)
+
+
+def turn_prompts():
+    rows = []
+    for i, question in enumerate(["What should the function return?", "Which key do you mean?",
+                                  "Is the value an integer?", "Should it handle None?", "And for strings?"]):
+        rows.append(Trajectory.from_json({
+            "task": {"problem_description": f"write f{i}", "ground_truth": f"def f{i}(x): return {i}",
+                     "test_cases": {"t": f"f{i}(1)"}},
+            "dialogue_history": [{"role": "user", "content": f"write f{i}"},
+                                 {"role": "assistant", "content": question},
+                                 {"role": "user", "content": "an integer"},
+                                 {"role": "assistant", "content": "I WANT TO ANSWER: ..."}]}))
+    return ranking.turn_prompts(rows)
+
+
+def test_serve_takes_token_ids_and_returns_them_with_logprobs_as_vllm_does(engine, in_process):
+    prompt = in_process.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    body = {"model": "policy", "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 1,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = requests.post(f"{engine.url}/completions", json=body, timeout=120).json()["choices"][0]
+    want = in_process.generate([prompt], max_new_tokens=6, temperature=0.0)[0][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{i}" for i in want.token_ids]
+    assert choice["token_ids"] == want.token_ids and choice["prompt_token_ids"] == prompt
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], want.logprobs, atol=1e-4)
+    assert choice["text"] == want.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_openai_backend_gives_the_in_process_candidates_and_logprobs(engine, in_process, policy_hf, temperature):
+    """Greedy: the same token ids and log-probs (1e-4). Temperature 1: request j carries the seed the in-process
+    sampler gives prompt j, so the draws are the same too."""
+    prompts = turn_prompts()
+    kw = dict(n=3, max_new_tokens=10, temperature=temperature, seed=17)
+    want = ranking.sample_candidates(in_process, prompts, **kw)
+    got = ranking.sample_candidates(remote(engine, in_process, policy_hf, concurrency=8), prompts, **kw)
+    for w, g in zip(want, got, strict=True):
+        assert g.prompt_ids == w.prompt_ids and g.prompt_text == w.prompt_text
+        assert g.token_ids == w.token_ids
+        assert g.texts == w.texts
+        np.testing.assert_allclose(g.sampler_logp, w.sampler_logp, atol=1e-4)
+
+
+def test_requests_are_spread_over_the_endpoints_and_a_dead_one_is_skipped(engine, in_process):
+    """Two base URLs, one of them closed: every prompt is still answered (a failed request goes to the next
+    endpoint), with the same replies as from the live one alone."""
+    dead = f"http://127.0.0.1:{policy_backend.free_port()}/v1"
+    sampler = policy_backend.OpenAISampler([dead, engine.url], in_process.tokenizer, model="policy",
+                                           eos_token_ids=[2, 3], backoff_s=0.01, concurrency=4)
+    ids = [in_process.tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a", "b c", "d e f", "g")]
+    got = sampler.generate(ids, max_new_tokens=5, temperature=0.0)
+    want = in_process.generate(ids, max_new_tokens=5, temperature=0.0)
+    assert [[s.token_ids for s in p] for p in got] == [[s.token_ids for s in p] for p in want]
+    assert sampler.retries == 2  # the two prompts that went to the dead endpoint first
+
+
+def test_a_killed_engine_is_started_again_and_no_prompt_is_lost_or_repeated(policy_hf, in_process, tmp_path):
+    prompts = turn_prompts() * 2  # 20 prompts: the engine dies while they are in flight
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0, seed=5)
+    want = ranking.sample_candidates(in_process, prompts, **kw)
+    with policy_backend.Engine(SERVE, str(policy_hf), startup_timeout_s=300, log_path=tmp_path / "log") as engine:
+        sampler = remote(engine, in_process, policy_hf, concurrency=2, backoff_s=0.05)
+        first = engine.process.pid
+        answered = []
+        original = sampler._samples
+
+        def count(*args):  # kill the engine once a few prompts are done
+            answered.append(1)
+            if len(answered) == 3:
+                engine.process.send_signal(signal.SIGKILL)
+            return original(*args)
+
+        sampler._samples = count
+        got = ranking.sample_candidates(sampler, prompts, **kw)
+        assert engine.starts == 2 and engine.process.pid != first and sampler.retries >= 1
+    assert len(got) == len(prompts)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.sampler_logp, w.sampler_logp, atol=1e-4)
+
+
+def test_an_engine_that_never_answers_is_a_one_line_error(policy_hf, tmp_path):
+    with pytest.raises(policy_backend.PolicyBackendError, match="exited with status 2 before it served"):
+        policy_backend.Engine("{python} -m sweet_jax.serve --model {hf_dir} --port {port} --no-such-flag",
+                              str(policy_hf), startup_timeout_s=120).start()
+    with pytest.raises(policy_backend.PolicyBackendError, match="bad placeholder"):
+        policy_backend.Engine("vllm serve {model}", str(policy_hf))
+
+
+def test_an_engine_without_token_ids_is_refused_with_what_to_do(in_process):
+    """An engine that answers with token texts (vLLM without --return-tokens-as-token-ids) is an error saying so."""
+    import http.server
+
+    class Texts(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
+                                            "logprobs": {"tokens": ["hi"], "token_logprobs": [-0.5]}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Texts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sampler = policy_backend.OpenAISampler([f"http://127.0.0.1:{server.server_address[1]}/v1"],
+                                               in_process.tokenizer, model="m", max_retries=0)
+        with pytest.raises(policy_backend.PolicyBackendError, match="--return-tokens-as-token-ids"):
+            sampler.generate([[1, 2]], max_new_tokens=1)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def load_config(name: str, preset: str = "demo"):
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(f"{name}_config", pathlib.Path(__file__).parents[1] / "configs" /
+                                                  f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(preset)
+
+
+def test_rank_takes_the_backend_switch_and_writes_the_same_pairs(engine, policy_hf, tmp_path):
+    """`sweet_jax.rank` with policy.backend=openai (an engine already running at base_urls) writes the pairs the
+    in-process sampler gives (same candidates, same critic and reference scores)."""
+    from sweet_jax import rank
+
+    pairs = {}
+    for backend in ("in_process", "openai"):
+        config = load_config("rank")
+        config.policy.path = str(policy_hf)
+        config.policy.backend = backend
+        config.policy.openai.base_urls = engine.url
+        config.num_trajectories = 2
+        config.max_new_tokens = 8
+        config.progress = False
+        config.output = str(tmp_path / f"{backend}.jsonl")
+        rank.run(config)
+        pairs[backend] = [json.loads(line) for line in open(config.output)]
+    fields = lambda rows: [(p["turn"], p["chosen_ids"], p["rejected_ids"], p["chosen"]) for p in rows]  # noqa: E731
+    assert pairs["openai"] and fields(pairs["openai"]) == fields(pairs["in_process"])
+
+
+def test_rollout_takes_the_backend_switch_and_plays_the_same_episodes(engine, policy_hf, tmp_path):
+    from sweet_jax import rollout
+
+    episodes = {}
+    for backend in ("in_process", "openai"):
+        config = load_config("rollout")
+        config.policy.path = str(policy_hf)
+        config.policy.backend = backend
+        config.policy.openai.base_urls = engine.url
+        config.num_tasks, config.best_of, config.max_turns, config.sampling.max_new_tokens = 2, 2, 2, 8
+        config.sandbox.enabled = False
+        config.progress = False
+        config.output = str(tmp_path / backend / "trajectories.jsonl")
+        assert rollout.run(config)["episodes"] == 4
+        episodes[backend] = [json.loads(line)["dialogue_history"] for line in open(config.output)]
+    assert episodes["openai"] == episodes["in_process"]
