@@ -22,13 +22,22 @@ POLICY_DIRS = {"rft": "policies/rft/hf", "mtdpo": "policies/mtdpo/hf", "sweet_no
                "sweet": "policies/sweet/hf"}
 
 
-def run_cli(workdir, *extra, timeout=900):
+def cli(workdir, *extra):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)   # one CPU device: the demo's setting, and one compilation per shape
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "sweet_jax.pipeline", "--config", "configs/pipeline.py:test",
-                           "--workdir", str(workdir), *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return [sys.executable, "-m", "sweet_jax.pipeline", "--config", "configs/pipeline.py:test", "--workdir",
+            str(workdir), *extra], env
+
+
+def run_cli(workdir, *extra, timeout=900):
+    argv, env = cli(workdir, *extra)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# The policy's sampling through the `openai` backend: `python -m sweet_jax.serve` engines the pipeline starts for
+# each policy it samples from, after exporting it (the command template).
+ENGINE = "{python} -m sweet_jax.serve --model {hf_dir} --port {port} --served-model-name policy"
 
 
 def stages_line(stdout):
@@ -39,9 +48,23 @@ def stages_line(stdout):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("pipeline")
-    proc = run_cli(wd)
+def runs(tmp_path_factory):
+    """The test preset run twice at the same time: sampling in-process, and through the openai backend."""
+    wd, other = tmp_path_factory.mktemp("pipeline"), tmp_path_factory.mktemp("pipeline_openai")
+    argv, env = cli(other, "--config.policy.backend=openai", f"--config.policy.openai.command={ENGINE}")
+    with open(other / "stdout.txt", "w") as out, open(other / "stderr.txt", "w") as err:
+        openai_run = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
+    try:
+        yield wd, run_cli(wd, timeout=1800), other, openai_run
+    finally:
+        if openai_run.poll() is None:
+            openai_run.kill()
+            openai_run.wait()
+
+
+@pytest.fixture(scope="module")
+def workdir(runs):
+    wd, proc = runs[:2]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ran, skipped = stages_line(proc.stdout)
     assert ran == STAGES and skipped == []
@@ -258,3 +281,25 @@ def test_policy_behaviour_measures_questions_and_copy_accuracy():
     assert b["answer_key_coverage_pct"] == 100.0
     assert b["copy_accuracy_pct"] == 50.0          # design copied, sales stated but written wrong
     assert b["guess_accuracy_pct"] == 0.0          # finance never asked, guessed wrong
+
+
+def test_the_openai_backend_through_sweet_jax_serve_gives_the_same_run(workdir, runs):
+    """The test preset with every policy sampled through the `openai` backend by `python -m sweet_jax.serve`
+    engines the pipeline starts after exporting each policy (the command template): the same offline episodes,
+    candidates (token ids, log-probs within 1e-4), pairs and results table as sampling in-process."""
+    other, openai_run = runs[2:]
+    assert openai_run.wait(timeout=1800) == 0, ((other / "stdout.txt").read_text()[-3000:] +
+                                                (other / "stderr.txt").read_text()[-5000:])
+    for stage in ("offline", "candidates", "eval/zero_shot", "eval/sweet"):
+        assert "serving policy on http://127.0.0.1:" in (other / stage / "engine.log").read_text()
+    want, got = (read_jsonl(w / "candidates" / "candidates.jsonl") for w in (workdir, other))
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    np.testing.assert_allclose([r["sampler_logp"] for r in got], [r["sampler_logp"] for r in want], atol=1e-4)
+    for name in ("offline/trajectories.jsonl", "rank/pairs.jsonl", "eval/sweet/trajectories.jsonl"):
+        strip = lambda rows: [{k: v for k, v in r.items() if k not in ("chosen_score", "rejected_score")}
+                              for r in rows]  # noqa: E731
+        assert strip(read_jsonl(other / name)) == strip(read_jsonl(workdir / name)), name
+    methods = lambda w: json.loads((w / "results.json").read_text())["methods"]  # noqa: E731
+    assert methods(other) == methods(workdir)
+    table = lambda w: (w / "results.md").read_text().split("\n\n")[:3]  # noqa: E731 (title, tasks, table)
+    assert table(other) == table(workdir)
