@@ -211,7 +211,7 @@ class OpenAISampler:
         self._seeds = np.random.default_rng(seed)
         self.requests_sent = 0
         self.retries = 0
-        self.model = model or self._first_model()
+        self.model_name = model or self._first_model()
 
     # -- HTTP --------------------------------------------------------------------------------------------
 
@@ -296,7 +296,7 @@ class OpenAISampler:
         base_seed = seed if seed is not None else int(self._seeds.integers(2**31))
         bodies = []
         for j, ids in enumerate(prompts):
-            body = {"model": self.model, "prompt": [int(t) for t in ids], "max_tokens": int(max_new_tokens),
+            body = {"model": self.model_name, "prompt": [int(t) for t in ids], "max_tokens": int(max_new_tokens),
                     "temperature": float(temperature), "top_p": float(top_p), "n": int(n),
                     "seed": _mix_seed(base_seed, j), "logprobs": 1, "return_tokens_as_token_ids": True}
             if top_k:
