@@ -27,22 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-
-def build_model(path: str) -> None:
-    import torch
-    import transformers
-
-    from sweet_jax.data import demo
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(demo.paths().tokenizer)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+from bench_serve import build_model  # noqa: E402  (the same tiny HF model; this script's folder is on sys.path)
 
 
 def turn_prompts(count: int):

@@ -5,24 +5,13 @@
 Stages: config -> tasks -> policy sampler -> simulator -> sandbox -> episodes in batches -> summary (the
 episodes loop, its output file and resume are sweet_jax.collect's).
 
-- Batching: the agent turns of all live episodes of a batch go to the sampler in one call; the
-  simulator replies of a batch go out concurrently (`Simulator.reply_many`).
-- Output: trajectories in the official JSONL format (task, dialogue_history, answer, reward) plus a
-  `rollout` field (task_index, sample, turns, passed, total). Each finished batch is appended and
-  flushed to disk, so a crash loses at most the batch in flight. Rerunning with the same output resumes:
-  episodes whose (task_index, sample) is already in the file are skipped, a half-written last line is
-  dropped, so nothing is duplicated or lost.
-- Failures: an episode whose simulator failed (after its retries) or whose answer could not be
-  evaluated (sandbox infra error) is written to OUTPUT.failed.jsonl with its reason instead; the run
-  goes on, and a rerun tries those episodes again.
-- Summary: success rate (reward 1.0), % tests passed (mean reward), turns per episode, over the whole
-  output file; printed and written to OUTPUT.summary.json.
+- Batching, the output file (official JSONL plus a `rollout` field), resume without duplicates, failed
+  episodes (OUTPUT.failed.jsonl) and the summary (OUTPUT.summary.json): see sweet_jax.collect.
 - layout="official" (configs/rollout.py:official): once every episode has run, OUTPUT is rewritten in the
   official block layout, what the official `evaluate_code.py --k` expects: row b * N + i is sample b of task i
   (all tasks' first samples, then all their second samples, ...), and failed episodes stay in it as the official
   collector keeps every episode (their dialogue so far, answer "No answer", reward 0.0, `rollout.failure`).
 """
-from __future__ import annotations
 from __future__ import annotations
 
 import json
