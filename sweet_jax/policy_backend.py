@@ -24,7 +24,9 @@ The `openai` settings (`policy.openai`, see `openai_config`):
 Same results either way: request j of a `generate` call carries the seed the in-process sampler gives prompt j
 (generate._mix_seed(seed, j)) and the policy's end-of-sequence ids as stop_token_ids, and its text is decoded here
 from the returned ids as the Sampler decodes them; with `python -m sweet_jax.serve` as the engine, greedy replies
-are the same token ids with the same log-probs (tests/test_policy_backend.py).
+are the same token ids with the same log-probs (tests/test_policy_backend.py). Sampled replies are the same up to
+floating-point rounding: the engine batches concurrent requests its own way, so a logit can differ in its last
+bits and, rarely, a draw lands on the neighbouring token id across one CDF boundary (tests/draws.py).
 """
 from __future__ import annotations
 
