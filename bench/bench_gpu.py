@@ -5,8 +5,8 @@
     python bench/bench_gpu.py --remat dots_saveable --pairs 2 --json out.json
 
 Critic step = forward + Bradley-Terry loss over per-turn-mean advantages (reference log-probs precomputed, as
-in training) + backward + clip + AdamW, exactly `steps.make_critic_step`. Random weights (no download): the
-shapes are what matter for speed. Parameters and AdamW moments in float32, compute in bfloat16 (--dtype),
+in training) + backward + clip + AdamW, exactly the trainer's step (`steps.make_step` of the critic's
+`steps.loss_spec`). Random weights (no download): the shapes are what matter for speed. Parameters and AdamW moments in float32, compute in bfloat16 (--dtype),
 attention "auto" (cuDNN flash attention on GPU for 16-bit compute). MFU = model FLOPs (6 x matmul params +
 12 x layers x heads x head_dim x T per token: no recompute, causal mask not discounted) / step time / the
 device's dense bf16 peak from sweet_jax.metrics (989 TFLOP/s for an H100 SXM); on CPU (--smoke) the peak is a
@@ -60,7 +60,7 @@ def bench_train_step(args, config, device) -> dict:
     import jax
     from flax import nnx
 
-    from sweet_jax import steps
+    from sweet_jax import config_utils, steps
     from sweet_jax.models.attention import resolve_attention_impl
     from sweet_jax.models.llama import Llama
 
@@ -68,7 +68,8 @@ def bench_train_step(args, config, device) -> dict:
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     del model  # its arrays are the state's now, and the step donates them
-    step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=args.chunk)
+    loss = config_utils.base_config().loss  # critic, beta 0.1: the trainer's defaults
+    step = steps.make_step(steps.loss_spec(loss, chunk_size=args.chunk), state, optimizer)
     batch = {k: jax.device_put(v, device) for k, v in make_batch(args.pairs, args.seq, config.vocab_size).items()}
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()

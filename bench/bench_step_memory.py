@@ -36,7 +36,7 @@ def main():
     host_malloc.reexec_with_allocator()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    from sweet_jax import steps
+    from sweet_jax import config_utils, steps
     from sweet_jax.data import batching
     from sweet_jax.models import load_hf
 
@@ -60,10 +60,9 @@ def main():
                  attention_mask=np.ones((B, 2, T), np.int32), turn_ids=turns,
                  ref_logp=(-rng.uniform(5, 12, (B, 2, T))).astype(np.float32),
                  score_pos=batching.score_positions(turns, T // 2))
-    if a.step == "dpo":
-        step = steps.make_policy_step(state, optimizer, kind="dpo", micro_batch_size=a.micro)
-    else:
-        step = steps.make_critic_step(state, optimizer, micro_batch_size=a.micro)
+    loss = config_utils.base_config().loss  # the trainer's loss defaults
+    loss.kind = a.step
+    step = steps.make_step(steps.loss_spec(loss), state, optimizer, micro_batch_size=a.micro)
     start = time.time()
     compiled = step.lower(state, batch).compile()
     mem = compiled.memory_analysis()

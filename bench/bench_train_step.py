@@ -127,7 +127,7 @@ def peak_rss():
 
 def prepare_jax(a, path, spec):
     import jax
-    from sweet_jax import steps
+    from sweet_jax import config_utils, steps
     from sweet_jax.models import load_hf
     from sweet_jax.models.attention import resolve_attention_impl
 
@@ -137,10 +137,9 @@ def prepare_jax(a, path, spec):
     state = steps.create_train_state(model, optimizer)
     chunk = None if spec["chunk"] == "auto" else int(spec["chunk"])
     micro = int(spec["micro"]) or steps.auto_micro_batch_size(model.config, (a.pairs, 2, a.seq))
-    if a.step == "dpo":
-        step = steps.make_policy_step(state, optimizer, kind="dpo", beta=0.1, chunk_size=chunk, micro_batch_size=micro)
-    else:
-        step = steps.make_critic_step(state, optimizer, beta=0.1, chunk_size=chunk, micro_batch_size=micro)
+    loss = config_utils.base_config().loss  # beta 0.1, no NLL term: the trainer's defaults
+    loss.kind = a.step
+    step = steps.make_step(steps.loss_spec(loss, chunk_size=chunk), state, optimizer, micro_batch_size=micro)
     batch = make_batch(a)
     if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds: the action tokens fit in T // 2
         from sweet_jax.data import batching

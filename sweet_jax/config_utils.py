@@ -5,9 +5,17 @@ only changes values. Field names are read by sweet_jax.train, sweet_jax.steps an
 """
 from __future__ import annotations
 
+import pathlib
+
 import ml_collections
 
+from sweet_jax.errors import SweetJaxError
+
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
+
+
+class TrainConfigError(SweetJaxError):
+    """A config value that cannot work; the message names the field and what to set."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -85,6 +93,53 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices
     return c
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Values that are valid types but cannot work: fail before anything slow happens."""
+    def need(cond, field, msg):
+        if not cond:
+            raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
+    need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
+    need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
+         "use turn_mean (paper), trajectory_mean (official code) or sum")
+    from sweet_jax.models.llama import PRESETS
+    need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
+    need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
+    need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
+         "use truncate, drop or cut_right (official)")
+    need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
+    need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
+    need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
+    need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
+    mb = config.train.micro_batch_size
+    need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",
+         f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
+    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
+    need(config.data.max_len > 0 and config.data.bucket > 0, "data.max_len", "max_len and bucket must be > 0")
+    need(0.0 <= config.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+    need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
+         "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
+    shape = tuple(config.mesh.shape)
+    need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
+         "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
+    try:
+        from sweet_jax.models.lora import LoRAConfig
+        LoRAConfig.from_config(config.get("lora"))
+    except SweetJaxError as e:
+        raise TrainConfigError(f"config.{e}") from None
+    if config.model.path:
+        p = pathlib.Path(config.model.path)
+        need(p.is_dir() and (p / "config.json").exists(), "model.path",
+             "is not a Hugging Face checkpoint directory (no config.json there); set --config.model.path to "
+             "one, or to '' for the demo tiny model")
+
+
+def config_get(config, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
 
 
 def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:

@@ -27,6 +27,7 @@ from sweet_jax import losses
 from sweet_jax.errors import SweetJaxError
 
 POLICY_KINDS = ("dpo", "mtdpo", "sft", "rft")
+LOSS_SPEC_KINDS = ("critic", "dpo", "mtdpo", "sft")  # rft trains with the sft loss
 BATCH_AXES = ("data", "fsdp")
 
 
@@ -217,6 +218,14 @@ class LossSpec:
     chunk_size: int | None = None  # unembedding positions per chunk (losses.label_logprobs; None: by bytes)
     nll_scope: str = "reply"       # 'reply' (the paper) | 'sequence' (the official trainer: prompt included)
 
+    def __post_init__(self):
+        if self.kind not in LOSS_SPEC_KINDS:
+            raise StepConfigError(f"loss kind {self.kind!r} is not one of {LOSS_SPEC_KINDS} (config loss.kind: "
+                                  f"critic, {', '.join(POLICY_KINDS)})")
+        losses._check_norm(self.advantage_norm)
+        if self.nll_scope not in losses.NLL_SCOPES:
+            raise StepConfigError(f"loss.nll_scope={self.nll_scope!r} is not one of {losses.NLL_SCOPES}")
+
     def denominator(self, batch) -> jax.Array:
         """The full batch's normaliser, so micro-batch losses add up to the full-batch loss."""
         w = _weight(batch)
@@ -340,79 +349,58 @@ def _train_step(spec, optimizer, lr_schedule, micro_batch_size, mesh, state: Tra
     return new_state, metrics
 
 
-def _make_train_step(spec: LossSpec, state: TrainState, optimizer, mesh, *, micro_batch_size: int = 0,
-                     lr_schedule=None, ref_in_step: bool = False):
+def loss_spec(loss, *, chunk_size: int | None = None) -> LossSpec:
+    """The LossSpec of a training config's `loss` section (kind critic | dpo | mtdpo | rft), validated once:
+    what train, plan and the benchmarks build their steps from. chunk_size: unembedding positions per chunk
+    (None: by bytes, losses.label_logprobs)."""
+    kind = loss.kind
+    if kind != "critic" and kind not in POLICY_KINDS:
+        raise StepConfigError(f"loss.kind={kind!r} is not one of critic, {', '.join(POLICY_KINDS)}")
+    return LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind, beta=float(loss.beta),
+                    advantage_norm=loss.advantage_norm, nll_coef=float(loss.nll_coef),
+                    label_smoothing=float(loss.label_smoothing), nll_scope=loss.get("nll_scope", "reply"),
+                    chunk_size=chunk_size)
+
+
+def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_batch_size: int = 0,
+              lr_schedule=None, ref_in_step: bool = False):
+    """step(state, batch[, ref_params]) -> (state, metrics): one optimiser step on the LossSpec's loss.
+
+    critic: Bradley-Terry over [B, 2, T] trajectory pairs (chosen first); dpo: step-level DPO on [B, 2, T]
+    candidate pairs + nll_coef x the chosen NLL (over the reply, or the whole chosen sequence with
+    nll_scope='sequence'); mtdpo: the same DPO over all action tokens of trajectory pairs; sft: NLL of the
+    action tokens of [B, 1, T] successful trajectories (no reference). batch: input_ids / attention_mask /
+    turn_ids, ref_logp [B, P, T] unless ref_in_step (then the reference params are the third argument),
+    optional weight [B] and score_pos. `state` may be concrete or abstract (ShapeDtypeStructs): only its
+    shardings are read. Metrics: the loss's (loss, accuracy, margin, ...), grad_norm, lr (with lr_schedule),
+    num_tokens."""
     import functools
     fn = functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh)
     if mesh is None:
         return jax.jit(fn, donate_argnums=0)
     state_sh = shardings_of(state)
-    in_sh = (state_sh, batch_sharding(mesh)) + ((state_sh.params,) if ref_in_step else ())
+    in_sh = (state_sh, batch_sharding(mesh)) + ((state_sh.params,) if ref_in_step and spec.needs_ref else ())
     out_sh = (state_sh, NamedSharding(mesh, PartitionSpec()))
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=0)
 
 
-def loss_spec(loss) -> LossSpec:
-    """The LossSpec of a training config's `loss` section (kind critic | dpo | mtdpo | rft), validated once:
-    what train, plan and the benchmarks build their steps from."""
-    kind = loss.kind
-    if kind != "critic" and kind not in POLICY_KINDS:
-        raise StepConfigError(f"loss.kind={kind!r} is not one of critic, {', '.join(POLICY_KINDS)}")
-    spec = LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind, beta=float(loss.beta),
-                    advantage_norm=loss.advantage_norm, nll_coef=float(loss.nll_coef),
-                    label_smoothing=float(loss.label_smoothing), nll_scope=loss.get("nll_scope", "reply"))
-    losses._check_norm(spec.advantage_norm)
-    if spec.nll_scope not in losses.NLL_SCOPES:
-        raise StepConfigError(f"loss.nll_scope={spec.nll_scope!r} is not one of {losses.NLL_SCOPES}")
-    return spec
+def make_eval_step(spec: LossSpec, state: TrainState, mesh=None, *, ref_in_step: bool = False):
+    """eval_step(rest, params, batch[, ref_params]) -> the LossSpec's metrics (float32 scalars), no gradient: the
+    train step's loss on held-out batches. rest: the train state's current non-trained variables (a LoRA run's
+    frozen base): an argument, not a closure, since a closed-over array is compiled in as a constant and the train
+    step donates the state it was in. `state` may be concrete or abstract: only its shardings are read."""
+    graphdef = state.graphdef
 
+    def fn(rest, params, batch, ref_params=None):
+        _, metrics = pair_loss(spec, graphdef, params, rest, batch, ref_params, spec.denominator(batch))
+        return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
-def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_batch_size: int = 0,
-              lr_schedule=None, ref_in_step: bool = False):
-    """The train step of a LossSpec: make_critic_step or make_policy_step with its hyper-parameters."""
-    common = dict(micro_batch_size=micro_batch_size, chunk_size=spec.chunk_size, lr_schedule=lr_schedule,
-                  ref_in_step=ref_in_step and spec.needs_ref)
-    if spec.kind == "critic":
-        return make_critic_step(state, optimizer, mesh, beta=spec.beta, advantage_norm=spec.advantage_norm, **common)
-    return make_policy_step(state, optimizer, mesh, kind=spec.kind, beta=spec.beta, nll_coef=spec.nll_coef,
-                            label_smoothing=spec.label_smoothing, nll_scope=spec.nll_scope, **common)
-
-
-def make_critic_step(state: TrainState, optimizer, mesh=None, *, beta: float = 0.1,
-                     advantage_norm: str = "turn_mean", micro_batch_size: int = 0, chunk_size: int | None = None,
-                     lr_schedule=None, ref_in_step: bool = False):
-    """critic_step(state, batch[, ref_params]) -> (state, metrics): Bradley-Terry over trajectory pairs.
-
-    batch: input_ids / attention_mask / turn_ids [B, 2, T] (chosen first), ref_logp [B, 2, T] unless
-    ref_in_step, optional weight [B]. `state` may be a concrete or an abstract (ShapeDtypeStruct) state:
-    only its shardings are read. Metrics: loss, accuracy, margin, chosen_score, rejected_score, grad_norm,
-    lr (with lr_schedule), num_tokens.
-    """
-    losses._check_norm(advantage_norm)
-    spec = LossSpec("critic", beta=beta, advantage_norm=advantage_norm, chunk_size=chunk_size)
-    return _make_train_step(spec, state, optimizer, mesh, micro_batch_size=micro_batch_size,
-                            lr_schedule=lr_schedule, ref_in_step=ref_in_step)
-
-
-def make_policy_step(state: TrainState, optimizer, mesh=None, *, kind: str = "dpo", beta: float = 0.1,
-                     nll_coef: float = 0.0, label_smoothing: float = 0.0, micro_batch_size: int = 0,
-                     chunk_size: int | None = None, lr_schedule=None, ref_in_step: bool = False, nll_scope: str = "reply"):
-    """policy_step(state, batch[, ref_params]) -> (state, metrics).
-
-    kind 'dpo': step-level DPO on [B, 2, T] candidate pairs + nll_coef x chosen per-token NLL; 'mtdpo':
-    the same DPO over all action tokens of trajectory pairs; 'sft' (alias 'rft'): NLL of the action tokens
-    of [B, 1, T] successful trajectories (no reference needed). nll_scope: the chosen NLL over the reply
-    ('reply') or over the whole chosen sequence, prompt included ('sequence', the official trainer).
-    """
-    if kind not in POLICY_KINDS:
-        raise StepConfigError(f"policy step kind={kind!r} is not one of {POLICY_KINDS} (config loss.kind).")
-    if nll_scope not in losses.NLL_SCOPES:
-        raise StepConfigError(f"nll_scope={nll_scope!r} is not one of {losses.NLL_SCOPES} (config loss.nll_scope).")
-    kind = "sft" if kind == "rft" else kind
-    spec = LossSpec(kind, beta=beta, nll_coef=nll_coef, label_smoothing=label_smoothing, chunk_size=chunk_size,
-                    nll_scope=nll_scope)
-    return _make_train_step(spec, state, optimizer, mesh, micro_batch_size=micro_batch_size,
-                            lr_schedule=lr_schedule, ref_in_step=ref_in_step and spec.needs_ref)
+    if mesh is None:
+        return jax.jit(fn)
+    params_sh = shardings_of(state.params)
+    in_sh = ((shardings_of(state.rest), params_sh, batch_sharding(mesh))
+             + ((params_sh,) if ref_in_step and spec.needs_ref else ()))
+    return jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, chunk_size: int | None = None):

@@ -8,7 +8,6 @@ Pointing the workdir at an existing run resumes it from its latest readable chec
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -21,377 +20,17 @@ import time
 import ml_collections
 import numpy as np
 
-from sweet_jax import cli, config_utils, host_malloc, rundir
+from sweet_jax import cli, host_malloc, rundir
+from sweet_jax.config_utils import TrainConfigError, check_config
 from sweet_jax.errors import SweetJaxError
-# What a run directory holds and how models load live in sweet_jax.rundir; these names are its.
-from sweet_jax.rundir import (CHECKPOINT_DIR, CONFIG_FILE, build_model, demo_paths, initialize_distributed,  # noqa: F401
-                              lora_trainable, model_config, read_config, tokenizer_path)
+from sweet_jax.rundir import CHECKPOINT_DIR
 
 log = logging.getLogger("sweet_jax.train")
-
-
-
-class TrainConfigError(SweetJaxError):
-    """A config value that cannot work; the message names the field and what to set."""
 
 
 class NanLossError(SweetJaxError):
     """The loss became NaN/inf; the last good checkpoint is kept."""
 
-
-# ==========================================================================================================
-# Config
-# ==========================================================================================================
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Values that are valid types but cannot work: fail before anything slow happens."""
-    def need(cond, field, msg):
-        if not cond:
-            raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
-    need(config.loss.kind in config_utils.LOSS_KINDS, "loss.kind", f"use one of {config_utils.LOSS_KINDS}")
-    need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
-         "use turn_mean (paper), trajectory_mean (official code) or sum")
-    from sweet_jax.models.llama import PRESETS
-    need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
-    need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
-    need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
-         "use truncate, drop or cut_right (official)")
-    need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
-    need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
-    need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
-    need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
-    mb = config.train.micro_batch_size
-    need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",
-         f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
-    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
-    need(config.data.max_len > 0 and config.data.bucket > 0, "data.max_len", "max_len and bucket must be > 0")
-    need(0.0 <= config.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
-    need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
-         "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
-    shape = tuple(config.mesh.shape)
-    need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
-         "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
-    try:
-        from sweet_jax.models.lora import LoRAConfig
-        LoRAConfig.from_config(config.get("lora"))
-    except SweetJaxError as e:
-        raise TrainConfigError(f"config.{e}") from None
-    if config.model.path:
-        p = pathlib.Path(config.model.path)
-        need(p.is_dir() and (p / "config.json").exists(), "model.path",
-             "is not a Hugging Face checkpoint directory (no config.json there); set --config.model.path to "
-             "one, or to '' for the demo tiny model")
-
-
-def config_get(config, dotted: str):
-    node = config
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-# ==========================================================================================================
-# Data: every host lists the same examples, renders only its slice of them (data.batching.host_range)
-# ==========================================================================================================
-
-@dataclasses.dataclass
-class Dataset:
-    """One split as this host holds it. Every host lists the split's examples the same way (critic pairs from
-    the rewards, successful trajectories, ranked pairs: no tokenizer, cheap), then renders only its slice:
-    `examples` (tuples of P data.render.Rendered), `ids` their positions in the global list (the length
-    policy may have dropped some), `num_global` the list's length. `lengths` = (ids, lengths) of every
-    host's examples (gather_lengths), `extras` per-token arrays added later (the reference pass's ref_logp)."""
-    examples: list
-    ids: list[int]
-    num_global: int
-    tasks: int
-    num_sequences: int
-    extras: dict = dataclasses.field(default_factory=dict)
-    lengths: tuple[np.ndarray, np.ndarray] | None = None
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def with_extras(self, **extras) -> "Dataset":
-        """This split with per-token arrays attached (e.g. ref_logp: one tuple of [L] arrays per example)."""
-        return dataclasses.replace(self, extras={**self.extras, **extras})
-
-    @property
-    def num_examples(self) -> int:
-        """Examples over all hosts (after gather_lengths)."""
-        return len(self.lengths[0])
-
-    def gather_lengths(self) -> None:
-        from sweet_jax.data import batching
-        self.lengths = batching.gather_lengths(np.asarray(self.ids),
-                                               batching.example_lengths(self.examples, scored=True))
-
-    def batches(self, config, *, pad_id: int, process_index: int = 0, process_count: int = 1, **kwargs):
-        """A data.batching.BatchIterator over this split (its position goes into the checkpoint)."""
-        from sweet_jax.data.batching import BatchIterator
-        kwargs.setdefault("score_positions", bool(config.loss.get("score_positions", False)))
-        return BatchIterator(
-            self.examples, batch_size=config.train.batch_size, seed=config.train.seed, pad_id=pad_id,
-            padding_side=config.data.padding_side, max_len=config.data.max_len, bucket_size=config.data.bucket,
-            process_index=process_index, process_count=process_count, example_ids=self.ids,
-            num_global=self.num_global, global_lengths=self.lengths, extras=self.extras,
-            num_sequences=self.num_sequences, **kwargs)
-
-
-def split_by_task(keys: list[str], eval_fraction: float, seed: int) -> set[str]:
-    """The held-out task keys: a seeded eval_fraction of the distinct tasks (at least one when > 0)."""
-    distinct = sorted(set(keys))
-    if eval_fraction <= 0 or len(distinct) < 2:
-        return set()
-    n_eval = min(len(distinct) - 1, max(1, round(eval_fraction * len(distinct))))
-    picked = np.random.default_rng(seed).choice(len(distinct), size=n_eval, replace=False)
-    return {distinct[i] for i in picked}
-
-
-def first_rows(num_rows: int, eval_fraction: float) -> int:
-    """data.eval_split='first_rows' (the official trainer's split when the data has no test split): the first
-    int(eval_fraction * rows) rows are evaluated on, and every row, those included, is trained on."""
-    return int(num_rows * eval_fraction)
-
-
-def _read_jsonl(path: str, what: str, field: str) -> list[dict]:
-    from sweet_jax import jsonl
-    from etils import epath
-    if not epath.Path(path).exists():
-        raise TrainConfigError(f"config.{field}={path!r} does not exist: set --config.{field} to the {what} JSONL")
-    rows = jsonl.read(path)
-    if not rows:
-        raise TrainConfigError(f"config.{field}={path!r} has no rows: point --config.{field} at a non-empty {what} JSONL")
-    return rows
-
-
-def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: int = 1) -> tuple[Dataset, Dataset]:
-    """(train, eval) examples for config.loss.kind, this host's slice of each (process_index of
-    process_count row slices of the global batch); eval = the examples of a held-out set of tasks."""
-    from sweet_jax.data import batching
-    from sweet_jax.data import pairs as pairs_lib
-    from sweet_jax.data import schema
-
-    kind = config.loss.kind
-    options = pairs_lib.RenderOptions(
-        max_len=config.data.max_len, overflow=config.data.length_policy,
-        info_template=config.data.info_template, info_placement=config.data.info_placement,
-        mask_style=config.data.get("mask_style", "turns"))
-    mine = lambda n: batching.host_range(n, config.train.batch_size, process_index, process_count)  # noqa: E731
-    if kind == "dpo":
-        return _policy_pair_datasets(config, tokenizer, options, mine)
-
-    path = config.data.trajectories or str(demo_paths().trajectories)
-    if not config.data.trajectories and not pathlib.Path(path).exists():
-        raise TrainConfigError(f"the bundled demo trajectories ({path}) are missing; set --config.data.trajectories")
-    from etils import epath
-    if epath.Path(path).exists() and not epath.Path(path).read_text().strip():
-        raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point --config.data.trajectories "
-                               "at a non-empty ColBench trajectories JSONL")
-    try:
-        trajectories = schema.load_trajectories(path)
-    except schema.DataError as e:
-        raise TrainConfigError(f"config.data.trajectories={path!r}: {e}") from None
-    if not trajectories:
-        raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point it at a non-empty "
-                               "ColBench trajectories JSONL")
-    def listing(trajs):  # critic / mtdpo: trajectory pairs; rft: the successful trajectories
-        if kind in ("critic", "mtdpo"):
-            return pairs_lib.trajectory_pairs(trajs, rule=config.data.get("pair_rule", "best_success"),
-                                              min_gap=config.data.min_gap)
-        return pairs_lib.rft_examples(trajs)
-
-    if config.data.get("eval_split", "tasks") == "first_rows":
-        everything = listing(trajectories)
-        lists = (everything, everything[:first_rows(len(everything), config.data.eval_fraction)])
-    else:
-        eval_keys = split_by_task([t.task.key for t in trajectories], config.data.eval_fraction, config.train.seed)
-        lists = (listing([t for t in trajectories if t.task.key not in eval_keys]),
-                 listing([t for t in trajectories if t.task.key in eval_keys]))
-    out = []
-    for listed in lists:
-        tasks = len({x.task_key if kind != "rft" else x.task.key for x in listed})
-        if kind in ("critic", "mtdpo"):
-            part = mine(len(listed))
-            examples, _ = pairs_lib.pair_examples(tokenizer, listed[part.start:part.stop],
-                                                  with_info=kind == "critic" and config.loss.use_info,
-                                                  options=options, progress=len(part) > 200)
-        else:  # rft: SFT on the successful trajectories
-            part = mine(len(listed))
-            examples, _ = pairs_lib.sft_examples(tokenizer, listed[part.start:part.stop], options=options,
-                                                 progress=len(part) > 200)
-        out.append(Dataset(list(examples), [part.start + i for i in examples.indices], len(listed), tasks,
-                           1 if kind == "rft" else 2))
-    if not out[0].num_global:
-        what = "pairs (a task needs a trajectory with reward 1.0 and one with a lower reward)" \
-            if kind != "rft" else "successful trajectories (reward 1.0)"
-        raise TrainConfigError(f"config.data.trajectories={path!r}: {len(trajectories)} trajectories give no training "
-                               f"{what}; use scored trajectories with successes and failures per task")
-    return out[0], out[1]
-
-
-def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Dataset]:
-    """Step-level pairs written by `python -m sweet_jax.rank`: the prompt the candidates were sampled from,
-    then the chosen / rejected reply (turn id 1) and its end-of-turn token."""
-    from sweet_jax.data import pairs as pairs_lib
-    from sweet_jax.data import render
-    from sweet_jax.data.schema import Turn
-
-    if not config.data.pairs:
-        raise TrainConfigError("config.data.pairs is empty: loss.kind=dpo trains on the pairs JSONL written by "
-                               "`python -m sweet_jax.rank`; set --config.data.pairs=PATH (or use loss.kind=mtdpo/rft)")
-    records = _read_jsonl(config.data.pairs, "ranked policy pairs", "data.pairs")
-    for n, r in enumerate(records, start=1):
-        missing = [k for k in ("prompt_text", "chosen", "rejected") if k not in r]
-        if missing and not pairs_lib.is_official_pair_row(r):
-            raise TrainConfigError(f"{config.data.pairs}:{n}: missing field(s) {missing}; the file must come from "
-                                   "`python -m sweet_jax.rank`, or be an official pairs file (chosen and rejected "
-                                   "strings)")
-    keys = [str(r.get("task_key", r.get("trajectory_index", n))) for n, r in enumerate(records)]
-    if config.data.get("eval_split", "tasks") == "first_rows":
-        n_eval = first_rows(len(records), config.data.eval_fraction)
-        splits, eval_keys = (records, records[:n_eval]), set(keys[:n_eval])
-    else:
-        eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
-        splits = tuple([r for key, r in zip(keys, records) if (key in eval_keys) == held_out]
-                       for held_out in (False, True))
-    stats = render.LengthStats()
-    out = []
-    for held_out, listed in zip((False, True), splits):
-        part = mine(len(listed))
-        examples, ids = [], []
-        for i in part:
-            r = listed[i]
-            if pairs_lib.has_sampled_ids(r):  # the sampled token ids, not their text tokenised again
-                seqs = pairs_lib.sampled_pair_sequences(tokenizer, r, where=f"{config.data.pairs} (pair {i})")
-            elif pairs_lib.is_official_pair_row(r):
-                seqs = pairs_lib.official_pair_sequences(tokenizer, r, where=config.data.pairs)
-            else:
-                seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"],
-                                                                        r[side]),), label="last")
-                             for side in ("chosen", "rejected"))
-            fitted = render.fit_all(seqs, options.max_len, overflow=options.overflow, stats=stats)
-            if fitted is not None:
-                examples.append(fitted)
-                ids.append(i)
-        tasks = len({k for k in keys if (k in eval_keys) == held_out or (listed is records)})
-        out.append(Dataset(examples, ids, len(listed), tasks, 2))
-    stats.log("policy pairs", options.max_len)
-    return out[0], out[1]
-
-# ==========================================================================================================
-# Model
-# ==========================================================================================================
-
-# ==========================================================================================================
-# Moving batches onto the mesh, the reference pass, evaluation
-# ==========================================================================================================
-
-def data_shard(sharding, batch_size: int) -> tuple[int, int]:
-    """(index, count) of the slice of global batch rows this process feeds (data.batching's process_index /
-    process_count): (process_index, process_count) when the batch is split over processes, fewer slices when
-    processes hold replicas of the same rows (a tensor axis across hosts)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return 0, 1
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
-        rows.update(range(*index[0].indices(batch_size)))
-    lo, n = min(rows), len(rows)
-    if max(rows) - lo + 1 != n or lo % n or batch_size % n:
-        raise TrainConfigError(f"this process's devices hold batch rows {sorted(rows)} of {batch_size}, not one "
-                               "aligned contiguous slice; set --config.mesh.shape so that each host's devices "
-                               "are neighbours on the (data, fsdp) axes")
-    return lo // n, batch_size // n
-
-
-def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
-    """This process's rows of a batch -> global jax.Arrays (rows of all processes, in process order)."""
-    import jax
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-
-
-def to_host(x) -> np.ndarray:
-    import jax
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
-def one_pass(dataset: Dataset, make_batches, **kwargs):
-    """(iterator, steps) over every example once, longest first (little padding, few shapes to compile)."""
-    it = make_batches(dataset, shuffle=False, longest_first=True, num_epochs=1, **kwargs)
-    return it, range(it.steps_per_epoch)
-
-
-def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> list:
-    """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
-    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist."""
-    from tqdm.auto import tqdm
-    import jax
-
-    it, steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
-    refs: list = [None] * len(dataset)
-    lo = it.process_index * it.local_batch_size
-    for step in tqdm(steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
-        batch = it.batch_at(0, step)
-        logp_BPT = to_host(ref_logp_fn(params, to_global(
-            {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
-        T = batch["input_ids"].shape[-1]
-        for row, i in enumerate(it.local_indices(0, step)):
-            if i >= 0:
-                refs[i] = tuple(logp_BPT[lo + row, p, :len(seq)] if padding_side == "right"
-                                else logp_BPT[lo + row, p, T - len(seq):] for p, seq in enumerate(dataset.examples[i]))
-    return refs
-
-
-def make_eval_fn(config, state, mesh, spec):
-    """eval(rest, params, batch[, ref_params]) -> the loss's metrics, no gradient (same LossSpec as the step).
-    rest: the train state's current non-trained variables (a LoRA run's frozen base): an argument, not a closure,
-    since a closed-over array is compiled in as a constant and the train step donates the state it was in."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-    from sweet_jax import steps
-
-    graphdef, rest = state.graphdef, state.rest
-
-    def fn(rest, params, batch, ref_params=None):
-        _, metrics = steps.pair_loss(spec, graphdef, params, rest, batch, ref_params, spec.denominator(batch))
-        return {k: jax.numpy.asarray(v, jax.numpy.float32) for k, v in metrics.items()}
-
-    params_sh = steps.shardings_of(state.params)
-    in_sh = (steps.shardings_of(rest), params_sh, steps.batch_sharding(mesh))
-    if config.train.ref_logp == "in_step" and spec.needs_ref:
-        in_sh = in_sh + (params_sh,)
-    return jax.jit(fn, in_shardings=in_sh, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_params=None) -> dict:
-    """Metrics over the whole held-out set (each batch's means weighted by its number of real examples)."""
-    import jax
-    totals: dict[str, float] = {}
-    count = 0
-    it, steps = one_pass(dataset, make_batches)
-    for step in steps:
-        args = (params, to_global(it.batch_at(0, step), sharding)) + ((ref_params,) if ref_params is not None else ())
-        metrics = jax.device_get(eval_fn(*args))
-        rows = it.real_rows(0, step)
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v) * rows
-        count += rows
-    return {k: v / count for k, v in totals.items()} if count else {}
-
-
-def rename_metrics(m: dict) -> dict:
-    """Metric names as the logs and plot show them."""
-    return {("pair_accuracy" if k == "accuracy" else k): v for k, v in m.items()}
-
-
-# ==========================================================================================================
-# The run
-# ==========================================================================================================
 
 class Preempted(cli.RunInterrupted):
     """SIGTERM (TPU preemption) or Ctrl-C arrived; a checkpoint of `step` was written. The command line exits
@@ -427,6 +66,10 @@ def stage_title(config, workdir, steps: int) -> str:
     return f"{stage} ({where}, {steps} steps)"
 
 
+# ==========================================================================================================
+# The run
+# ==========================================================================================================
+
 def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
     """Train as configured in `workdir` (resuming it if it holds a run). Returns a summary dict.
 
@@ -438,7 +81,7 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
         log.info("%s already holds this run, finished at step %s: nothing to do (its summary.json and curves.png "
                  "are there; pick another --workdir to train again)", workdir, finished.get("steps"))
         return finished
-    initialize_distributed()
+    rundir.initialize_distributed()
     with contextlib.ExitStack() as mesh_scope:
         trainer = Trainer(config, workdir, rundir.make_mesh(training_mesh_shape(config)))
         trainer.setup(mesh_scope, accept_config_change=accept_config_change)
@@ -477,9 +120,20 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def setup(self, mesh_scope: contextlib.ExitStack, *, accept_config_change: bool = False) -> None:
+        """The run recorded in the workdir; this host's data; the model, train state and steps; the reference
+        log-probs attached to the data; then the training batches."""
+        from sweet_jax.data.tokenizers import load_tokenizer
+
+        self.record_run(accept_config_change)
+        tokenizer = load_tokenizer(rundir.tokenizer_path(self.config))
+        train_set, eval_set = self.load_data(tokenizer)
+        self.build_steps(tokenizer, mesh_scope)
+        self.train_set, self.eval_set = self.attach_reference(train_set, eval_set)
+        self.batches = self.make_batches(self.train_set)
+
+    def record_run(self, accept_config_change: bool) -> None:
+        """Refuse batch sizes the mesh cannot split; write (or check) the workdir's config and this invocation."""
         import jax
-        from sweet_jax import steps
-        from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
 
         config, mesh, workdir = self.config, self.mesh, self.workdir
         if self.is_main:
@@ -500,10 +154,16 @@ class Trainer:
         log.info("mesh %s over %d devices (%s), %d process(es); host allocator: %s", dict(mesh.shape),
                  jax.device_count(), jax.devices()[0].device_kind, jax.process_count(), host_malloc.active())
 
-        # Tokenizer and data: this host renders only its slice; the batches are the same for any host count.
-        tokenizer = load_tokenizer(tokenizer_path(config))
-        self.batch_sh = steps.batch_sharding(mesh)
-        data_index, data_count = data_shard(self.batch_sh, config.train.batch_size)
+    def load_data(self, tokenizer):
+        """(train, eval) data.datasets.Dataset: this host renders only its slice; the batches are the same for any
+        host count. Sets make_batches (a Dataset -> its BatchIterator on this host) and total_steps."""
+        from sweet_jax import passes, steps
+        from sweet_jax.data.datasets import build_datasets
+        from sweet_jax.data.tokenizers import pad_id
+
+        config = self.config
+        self.batch_sh = steps.batch_sharding(self.mesh)
+        data_index, data_count = passes.data_shard(self.batch_sh, config.train.batch_size)
         train_set, eval_set = build_datasets(config, tokenizer, process_index=data_index, process_count=data_count)
         for dataset in (train_set, eval_set):
             dataset.gather_lengths()
@@ -513,22 +173,25 @@ class Trainer:
         log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks); this host renders "
                  "slice %d of %d", train_set.num_examples, train_set.tasks, eval_set.num_examples, eval_set.tasks,
                  data_index, data_count)
-
-        def make_batches(dataset: Dataset, **kwargs):  # -> data.batching.BatchIterator
-            return dataset.batches(config, pad_id=pad_id(tokenizer), process_index=data_index,
-                                   process_count=data_count, **kwargs)
-        self.make_batches = make_batches
-        steps_per_epoch = make_batches(train_set).steps_per_epoch
+        self.make_batches = lambda dataset, **kwargs: dataset.batches(  # noqa: E731
+            config, pad_id=pad_id(tokenizer), process_index=data_index, process_count=data_count, **kwargs)
         self.total_steps = (config.train.num_steps if config.train.num_steps > 0
-                            else config.train.epochs * steps_per_epoch)
+                            else config.train.epochs * self.make_batches(train_set).steps_per_epoch)
+        return train_set, eval_set
 
-        # Model, optimiser, train state, the step functions.
-        self.llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    def build_steps(self, tokenizer, mesh_scope: contextlib.ExitStack) -> None:
+        """The model, optimiser and train state on the mesh; the train and eval steps of the config's LossSpec."""
+        import jax
+        from sweet_jax import steps
+        from sweet_jax.data.tokenizers import check_vocab
+
+        config, mesh = self.config, self.mesh
+        self.llama_config = rundir.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
         check_vocab(self.llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
-                    where=f"the tokenizer {tokenizer_path(config)}")
-        model = build_model(config, self.llama_config, mesh)
+                    where=f"the tokenizer {rundir.tokenizer_path(config)}")
+        model = rundir.build_model(config, self.llama_config, mesh)
         optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
-        self.state = steps.create_train_state(model, optimizer, mesh, trainable=lora_trainable(config))
+        self.state = steps.create_train_state(model, optimizer, mesh, trainable=rundir.lora_trainable(config))
         del model
         if config.lora.rank:
             trained = sum(x.size for x in jax.tree.leaves(self.state.params))
@@ -538,27 +201,30 @@ class Trainer:
         # The steps trace under the mesh: the model's sequence-parallel constraints (model.sequence_parallel) name
         # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
         mesh_scope.enter_context(jax.set_mesh(mesh))
-        self.spec = spec = steps.loss_spec(config.loss)
-        self.train_step = steps.make_step(spec, self.state, optimizer, mesh,
-                                          micro_batch_size=config.train.micro_batch_size, lr_schedule=lr_schedule,
-                                          ref_in_step=config.train.ref_logp == "in_step")
-        self.eval_fn = make_eval_fn(config, self.state, mesh, spec)
+        self.spec = steps.loss_spec(config.loss)
+        ref_in_step = config.train.ref_logp == "in_step"
+        self.train_step = steps.make_step(self.spec, self.state, optimizer, mesh, lr_schedule=lr_schedule,
+                                          micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step)
+        self.eval_step = steps.make_eval_step(self.spec, self.state, mesh, ref_in_step=ref_in_step)
 
-        # Reference log-probs of the initial (= reference) parameters, attached to the examples before the
-        # batches are built; or a frozen copy of the parameters for in_step.
+    def attach_reference(self, train_set, eval_set):
+        """The splits with the initial (= reference) parameters' log-probs attached (train.ref_logp=precompute),
+        before any of their batches is built; or, for in_step, a frozen copy of the parameters (ref_params)."""
+        import jax
+        from sweet_jax import passes, steps
+
         self.ref_params = None
-        if spec.needs_ref:
-            if config.train.ref_logp == "precompute":
-                ref_fn = steps.make_ref_logp_fn(self.state.graphdef, steps.shardings_of(self.state.params), mesh,
-                                                rest=self.state.rest)
-                train_set, eval_set = (
-                    dataset.with_extras(ref_logp=reference_pass(ref_fn, self.state.params, dataset, make_batches,
-                                                                self.batch_sh, config.data.padding_side))
-                    if dataset.num_examples else dataset for dataset in (train_set, eval_set))
-            else:
-                self.ref_params = jax.tree.map(lambda x: x.copy(), self.state.params)  # state is donated
-        self.train_set, self.eval_set = train_set, eval_set
-        self.batches = make_batches(train_set)
+        if not self.spec.needs_ref:
+            return train_set, eval_set
+        if self.config.train.ref_logp == "in_step":
+            self.ref_params = jax.tree.map(lambda x: x.copy(), self.state.params)  # the state is donated
+            return train_set, eval_set
+        ref_fn = steps.make_ref_logp_fn(self.state.graphdef, steps.shardings_of(self.state.params), self.mesh,
+                                        rest=self.state.rest)
+        return tuple(
+            dataset.with_extras(ref_logp=passes.reference_pass(ref_fn, self.state.params, dataset, self.make_batches,
+                                                               self.batch_sh, self.config.data.padding_side))
+            if dataset.num_examples else dataset for dataset in (train_set, eval_set))
 
     # ------------------------------------------------------------------------------------------------------
     def resume(self) -> None:
@@ -616,10 +282,11 @@ class Trainer:
                     dst.write_bytes(f.read_bytes())
 
     def run_eval(self, at_step: int) -> None:
+        from sweet_jax import passes
         if self.eval_set.num_examples:
-            eval_fn = functools.partial(self.eval_fn, self.state.rest)
-            self.last_eval = rename_metrics(evaluate(eval_fn, self.state.params, self.eval_set, self.make_batches,
-                                                     self.batch_sh, self.ref_params))
+            eval_step = functools.partial(self.eval_step, self.state.rest)  # the current rest: the step donates
+            self.last_eval = passes.rename_metrics(passes.evaluate(eval_step, self.state.params, self.eval_set,
+                                                                   self.make_batches, self.batch_sh, self.ref_params))
             self.writer.write(at_step, self.last_eval, split="eval")
             log.info("eval at step %d: %s", at_step, {k: round(v, 4) for k, v in self.last_eval.items()})
 
@@ -627,7 +294,6 @@ class Trainer:
     def loop(self) -> None:
         """Train to total_steps: a metrics line per step, evals and saves as configured; SIGTERM (TPU preemption)
         or Ctrl-C finishes the step, saves it and raises Preempted."""
-        import jax
         from tqdm.auto import tqdm
 
         config = self.config
@@ -672,8 +338,9 @@ class Trainer:
     def train_one_step(self) -> dict:
         """One optimiser step on the next batch; its metrics (throughput and MFU added)."""
         import jax
+        from sweet_jax import passes
         host_batch = next(self.batches)
-        batch = to_global(host_batch, self.batch_sh)
+        batch = passes.to_global(host_batch, self.batch_sh)
         self.rng, _ = jax.random.split(self.rng)
         t0 = time.perf_counter()
         args = (self.state, batch) + ((self.ref_params,) if self.ref_params is not None else ())
@@ -690,7 +357,7 @@ class Trainer:
         m["mfu"] = flops_factor * self.llama_config.flops_per_token(T) * tokens / seconds / self.peak_flops
         m["step_seconds"] = seconds
         m["seq_len"] = T
-        m = rename_metrics(m)
+        m = passes.rename_metrics(m)
         self.history.append(m)
         return m
 

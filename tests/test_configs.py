@@ -7,7 +7,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import cli, config_utils, trainer
+from sweet_jax import cli, config_utils
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_every_field_can_be_overridden_on_the_command_line():
         argv.append(f"--config.{name}={','.join(map(str, new)) if isinstance(new, tuple) else new}")
     c = parse(f"--config={REPO}/configs/critic.py:demo", *argv)
     for name, value in expected.items():
-        assert trainer.config_get(c, name) == value, name
+        assert config_utils.config_get(c, name) == value, name
 
 
 def test_both_configs_share_one_field_layout():

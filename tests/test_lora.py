@@ -153,7 +153,7 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
 def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monkeypatch):
     from sweet_jax import rundir, steps, trainer
 
-    real_factory = steps.make_critic_step
+    real_factory = steps.make_step
 
     def factory_sigterm_in_step_3(*args, **kwargs):
         step_fn = real_factory(*args, **kwargs)
@@ -166,7 +166,7 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
 
     config = lora_critic_config()
     with monkeypatch.context() as m:
-        m.setattr(steps, "make_critic_step", factory_sigterm_in_step_3)
+        m.setattr(steps, "make_step", factory_sigterm_in_step_3)
         with pytest.raises(trainer.Preempted):
             trainer.run(config, tmp_path / "run")
     trainer.run(config, tmp_path / "run")  # resumes from step 3's checkpoint
@@ -196,11 +196,11 @@ def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_r
 def test_lora_policy_starts_at_the_reference_the_frozen_base(tmp_path):
     """DPO through adapters: at step 1 the policy is the base, which is also the reference (no second copy of
     the weights), so the loss is exactly log 2 plus the NLL term."""
-    from sweet_jax import trainer
+    from sweet_jax import rundir, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
     data = small_trajectories(tmp_path / "trajectories.jsonl", num_tasks=4)
-    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo_lora", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=1, train__eval_every=0, data__eval_fraction=0.0)

@@ -199,7 +199,7 @@ def test_cut_right_keeps_max_len_tokens_ends_with_eos_and_masks_after_the_cut(to
 
 def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
     from configs import policy as policy_configs
-    from sweet_jax import trainer
+    from sweet_jax.data import datasets
 
     rows = [official_pair_row(tok, official_trajectory(tok, [f"Question {i}?"], [None], 1.0),
                               official_trajectory(tok, [f"I WANT TO ANSWER: {i}"], [None], 0.0)) for i in range(6)]
@@ -209,7 +209,7 @@ def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
     with config.unlocked():
         config.data.pairs = str(path)
         config.data.eval_fraction = 0.0
-    train_set, _ = trainer.build_datasets(config, tok)
+    train_set, _ = datasets.build_datasets(config, tok)
     assert len(train_set) == 6
     chosen, rejected = train_set.examples[0]
     ids, _ = np_official_sequence(tok, rows[0]["chosen"])
@@ -365,7 +365,7 @@ def test_official_presets_select_the_official_behaviour():
 
 def test_first_rows_eval_split_evaluates_the_first_rows_and_trains_on_all(tok, tmp_path):
     from configs import policy as policy_configs
-    from sweet_jax import trainer
+    from sweet_jax.data import datasets
 
     rows = [official_pair_row(tok, official_trajectory(tok, [f"Q{i}?"], [None], 1.0),
                               official_trajectory(tok, [f"A{i}"], [None], 0.0)) for i in range(40)]
@@ -374,7 +374,7 @@ def test_first_rows_eval_split_evaluates_the_first_rows_and_trains_on_all(tok, t
     config = policy_configs.get_config("demo_official")  # eval_split first_rows, eval_fraction 0.03
     with config.unlocked():
         config.data.pairs = str(path)
-    train_set, eval_set = trainer.build_datasets(config, tok)
+    train_set, eval_set = datasets.build_datasets(config, tok)
     assert len(train_set) == 40 and len(eval_set) == 1  # int(0.03 * 40) = 1: row 0, trained on as well
     np.testing.assert_array_equal(eval_set.examples[0][0].input_ids, train_set.examples[0][0].input_ids)
 

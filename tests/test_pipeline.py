@@ -224,7 +224,7 @@ def test_colbench_8b_preset_is_complete():
     """The paper's preset loads and every training stage's config passes the trainer's own checks."""
     sys.path.insert(0, str(REPO))
     from configs import pipeline as pipeline_configs
-    from sweet_jax import trainer
+    from sweet_jax import config_utils
 
     c = pipeline_configs.get_config("colbench_8b")
     assert (c.tasks.source, c.init.kind, c.simulator.kind) == ("files", "path", "openai")
@@ -233,7 +233,7 @@ def test_colbench_8b_preset_is_complete():
     for kind, stage, info in [("critic", c.critic, True), ("critic", c.critic, False), ("dpo", c.sweet, False),
                               ("mtdpo", c.mtdpo, False), ("rft", c.rft, False)]:
         tc = pipeline.train_config(c, kind=kind, stage=stage, model_path="", use_info=info)
-        trainer.check_config(tc)
+        config_utils.check_config(tc)
         assert tc.data.max_len == 8192 and tc.model.dtype == "bfloat16" and tc.loss.use_info == info
     with pytest.raises(pipeline.PipelineError, match="init.path"):
         pipeline.stage_init(pipeline.Run(c, pathlib.Path("/nonexistent")), pathlib.Path("/nonexistent"))

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sweet_jax import losses, sharding, steps
+from sweet_jax import config_utils, losses, sharding, steps
 from sweet_jax.models import Llama, LlamaConfig
 
 CFG = LlamaConfig.preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
@@ -42,16 +42,19 @@ def pair_batch(B=8, T=24, P_=2, seed=0):
                 ref_logp=(-rng.uniform(1, 5, (B, P_, T))).astype(np.float32))
 
 
+def loss_spec(kind, **fields):
+    """The LossSpec of a training config's loss section (kind as the config names it: critic, dpo, mtdpo, rft)."""
+    loss = config_utils.base_config().loss
+    loss.update(kind=kind, **fields)
+    return steps.loss_spec(loss, chunk_size=8)
+
+
 def run_step(kind, mesh_shape, batch, *, optimizer=None, micro_batch_size=0, num_steps=1):
     optimizer = optimizer or optax.sgd(0.1)
     mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
     state = steps.create_train_state(make_model(), optimizer, mesh)
-    if kind == "critic":
-        step = steps.make_critic_step(state, optimizer, mesh, beta=0.5, micro_batch_size=micro_batch_size,
-                                      chunk_size=8)
-    else:
-        step = steps.make_policy_step(state, optimizer, mesh, kind=kind, beta=0.5, nll_coef=0.1,
-                                      micro_batch_size=micro_batch_size, chunk_size=8)
+    step = steps.make_step(loss_spec(kind, beta=0.5, nll_coef=0.0 if kind == "critic" else 0.1), state, optimizer,
+                           mesh, micro_batch_size=micro_batch_size)
     for _ in range(num_steps):
         state, metrics = step(state, batch)
     return state, jax.device_get(metrics)
@@ -91,9 +94,9 @@ def test_sharded_step_equals_single_device(single_device_results, kind, mesh_sha
     assert embedding.addressable_shards[0].data.shape == (CFG.vocab_size // tensor, CFG.hidden_size // fsdp)
 
 
-@pytest.mark.parametrize("kind", ["critic", "dpo", "sft"])
+@pytest.mark.parametrize("kind", ["critic", "dpo", "rft"])
 def test_gradient_accumulation_equals_full_batch(kind):
-    batch = pair_batch(P_=1 if kind == "sft" else 2, seed=1)
+    batch = pair_batch(P_=1 if kind == "rft" else 2, seed=1)
     batch["weight"] = np.array([1, 1, 1, 1, 1, 1, 0, 1], np.float32)  # a padding example is ignored in both
     full_state, full = run_step(kind, None, batch)
     micro_state, micro = run_step(kind, None, batch, micro_batch_size=2)
@@ -127,7 +130,7 @@ def test_automatic_micro_batches_equal_the_full_batch(monkeypatch):
     assert steps.auto_micro_batch_size(CFG, (8, 2, 24)) == 2
     optimizer = optax.sgd(0.1)
     state = steps.create_train_state(make_model(), optimizer)
-    step = steps.make_critic_step(state, optimizer, beta=0.5, chunk_size=8)
+    step = steps.make_step(steps.LossSpec("critic", beta=0.5, chunk_size=8), state, optimizer)
     assert "scan" in str(jax.make_jaxpr(step)(state, batch))
     auto_state, auto = step(state, batch)
     np.testing.assert_allclose(auto["loss"], full["loss"], rtol=1e-5)
@@ -165,7 +168,7 @@ def test_ref_logp_pass_matches_model_logits_and_in_step_reference():
     results = []
     for in_step in (False, True):
         state = steps.create_train_state(make_model(), optimizer)
-        step = steps.make_critic_step(state, optimizer, ref_in_step=in_step, chunk_size=8)
+        step = steps.make_step(steps.LossSpec("critic", chunk_size=8), state, optimizer, ref_in_step=in_step)
         b = dict(batch, ref_logp=ref_logp)
         if in_step:
             del b["ref_logp"]
@@ -224,7 +227,11 @@ def test_policy_kinds_run_and_unknown_kind_is_rejected():
         state, metrics = run_step(kind, None, pair_batch(B=2, P_=P_, seed=5))
         assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     with pytest.raises(steps.StepConfigError, match="kind"):
-        steps.make_policy_step(None, optax.sgd(1.0), kind="ppo")
+        loss_spec("ppo")
+    with pytest.raises(steps.StepConfigError, match="kind"):
+        steps.LossSpec("rft")  # the config's rft trains with the sft loss
+    with pytest.raises(steps.StepConfigError, match="nll_scope"):
+        loss_spec("dpo", nll_scope="prompt")
 
 
 def test_critic_learns_a_fixed_set_of_pairs():
@@ -243,8 +250,8 @@ def test_critic_learns_a_fixed_set_of_pairs():
     state = steps.create_train_state(make_model(), optimizer)
     ref_fn = steps.make_ref_logp_fn(state.graphdef, rest=state.rest, chunk_size=8)
     batch["ref_logp"] = ref_fn(state.params, batch)
-    step = steps.make_critic_step(state, optimizer, beta=1.0, chunk_size=8,
-                                  lr_schedule=steps.make_schedule(3e-3, 30))
+    step = steps.make_step(steps.LossSpec("critic", beta=1.0, chunk_size=8), state, optimizer,
+                           lr_schedule=steps.make_schedule(3e-3, 30))
     history = []
     for _ in range(31):
         state, metrics = step(state, batch)

@@ -168,9 +168,9 @@ import runpy, sys, time
 from sweet_jax import checkpoint, steps
 save = checkpoint.Checkpointer.save
 checkpoint.Checkpointer.save = lambda self, *a, **k: save(self, *a, **dict(k, wait=True))
-make_critic_step = steps.make_critic_step
+make_step = steps.make_step
 def hanging_factory(*a, **k):
-    step_fn = make_critic_step(*a, **k)
+    step_fn = make_step(*a, **k)
     def step(state, *rest):
         if int(state.step) == {step}:
             print("SWEET_JAX_TEST: hanging after step {step}", flush=True)
@@ -178,7 +178,7 @@ def hanging_factory(*a, **k):
                 time.sleep(1)
         return step_fn(state, *rest)
     return step
-steps.make_critic_step = hanging_factory
+steps.make_step = hanging_factory
 runpy.run_module("sweet_jax.train", run_name="__main__", alter_sys=True)
 """
 
@@ -244,7 +244,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     moved aside, checkpoint 1 stays as the last good one."""
     from sweet_jax import steps, trainer
 
-    real_factory = steps.make_critic_step
+    real_factory = steps.make_step
 
     def factory_with_nan_at_step_3(*args, **kwargs):
         step_fn = real_factory(*args, **kwargs)
@@ -256,7 +256,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
             return state, metrics
         return poisoned
 
-    monkeypatch.setattr(steps, "make_critic_step", factory_with_nan_at_step_3)
+    monkeypatch.setattr(steps, "make_step", factory_with_nan_at_step_3)
     config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
                          data__bucket=256, train__batch_size=4, train__num_steps=4, train__ckpt_every=1,
                          train__eval_every=0, data__eval_fraction=0.0, mesh__shape=(1, 1, 1))
@@ -329,16 +329,17 @@ def ranked_pairs(path, trajectories_path, tokenizer) -> pathlib.Path:
 
 
 def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_path):
-    from sweet_jax import trainer
+    from sweet_jax import rundir
+    from sweet_jax.data import datasets
     from sweet_jax.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     common = dict(data__trajectories=str(data), data__pairs=str(pairs), data__max_len=4096, data__eval_fraction=0.34)
     built = {}
     for file, preset in [("critic.py", "demo"), ("critic.py", "demo_no_info"), ("policy.py", "demo"),
                          ("policy.py", "demo_mtdpo"), ("policy.py", "demo_rft")]:
-        train_set, eval_set = trainer.build_datasets(demo_config(file=file, preset=preset, **common), tokenizer)
+        train_set, eval_set = datasets.build_datasets(demo_config(file=file, preset=preset, **common), tokenizer)
         built[preset if file == "critic.py" or preset != "demo" else "policy_dpo"] = (train_set, eval_set)
         assert len(train_set) and len(eval_set) and train_set.tasks == 4 and eval_set.tasks == 2
     P = {k: len(v[0].examples[0]) for k, v in built.items()}
@@ -358,10 +359,10 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
     """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
     that step with a checkpoint of it, and the command line's exit status names the signal."""
-    from sweet_jax import steps, trainer
+    from sweet_jax import rundir, steps, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
-    real_factory = steps.make_policy_step
+    real_factory = steps.make_step
 
     def factory_sigterm_in_step_1(*args, **kwargs):
         step_fn = real_factory(*args, **kwargs)
@@ -372,8 +373,8 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
             return step_fn(state, batch, *rest)
         return step_with_sigterm
 
-    monkeypatch.setattr(steps, "make_policy_step", factory_sigterm_in_step_1)
-    tokenizer = load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    monkeypatch.setattr(steps, "make_step", factory_sigterm_in_step_1)
+    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=3, train__eval_every=0, data__eval_fraction=0.0,
@@ -459,9 +460,9 @@ def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tm
                   train__eval_every=0, data__eval_fraction=0.0)
     # Both runs start from one HF checkpoint (a scanned random init draws its layers differently).
     config = demo_config(**common)
-    tokenizer_dir = trainer.tokenizer_path(config)
+    tokenizer_dir = rundir.tokenizer_path(config)
     tokenizer = load_tokenizer(tokenizer_dir)
-    init = Llama(trainer.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
+    init = Llama(rundir.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
     save_hf(init, tmp_path / "init", tokenizer_dir=tokenizer_dir)
     common["model__path"] = str(tmp_path / "init")
     trainer.run(demo_config(**common, mesh__shape=(1, 1, 1)), tmp_path / "plain")

@@ -8,6 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from sweet_jax import rundir
+from sweet_jax.data import datasets
+
 from test_train import demo_config, small_trajectories
 
 
@@ -18,9 +21,8 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from sweet_jax import trainer
     from sweet_jax.data.tokenizers import load_tokenizer
-    return load_tokenizer(trainer.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    return load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
 
 
 def critic_config(data, **overrides):
@@ -31,7 +33,6 @@ def critic_config(data, **overrides):
 def hosts_datasets(config, tokenizer, hosts, monkeypatch):
     """build_datasets on each simulated host, counting the trajectories each one renders; then what
     gather_lengths would tell every host."""
-    from sweet_jax import trainer
     from sweet_jax.data import batching, pairs
 
     real_render = pairs.render_trajectory
@@ -44,7 +45,7 @@ def hosts_datasets(config, tokenizer, hosts, monkeypatch):
     parts = []
     for p in range(hosts):
         rendered.append(0)
-        parts.append(trainer.build_datasets(config, tokenizer, process_index=p, process_count=hosts))
+        parts.append(datasets.build_datasets(config, tokenizer, process_index=p, process_count=hosts))
     for split in (0, 1):
         ids = np.concatenate([np.asarray(part[split].ids, np.int64) for part in parts])
         lengths = np.concatenate([batching.example_lengths(part[split].examples, scored=True) for part in parts])
@@ -83,10 +84,9 @@ def test_hosts_render_disjoint_slices_that_make_up_the_single_host_data(data, to
 
 @pytest.mark.parametrize("hosts", [2, 4])
 def test_hosts_batches_agree_in_shape_and_make_up_the_single_host_batches(data, tokenizer, monkeypatch, hosts):
-    from sweet_jax import trainer
 
     config = critic_config(data, data__max_len=345, data__length_policy="drop", data__padding_side="left")
-    whole, _ = trainer.build_datasets(config, tokenizer)
+    whole, _ = datasets.build_datasets(config, tokenizer)
     whole.gather_lengths()
     parts, _ = hosts_datasets(config, tokenizer, hosts, monkeypatch)
     single = whole.batches(config, pad_id=0, num_epochs=2)
@@ -140,7 +140,6 @@ def test_hosts_resume_exactly_with_reference_logprobs_in_the_batches(data, token
 def test_policy_pairs_train_on_the_sampled_ids_not_their_text_tokenised_again(tokenizer, tmp_path):
     """A reply sampled one character-token at a time decodes to text that the tokenizer encodes with fewer,
     merged tokens. The DPO examples hold the sampled ids (then the end-of-turn token), not the re-encoding."""
-    from sweet_jax import trainer
     from sweet_jax.data.render import end_of_turn_token
 
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -160,7 +159,7 @@ def test_policy_pairs_train_on_the_sampled_ids_not_their_text_tokenised_again(to
     path.write_text(json.dumps(row) + "\n")
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(path), data__eval_fraction=0.0,
                          train__batch_size=1, data__max_len=512, data__bucket=128)
-    train_set, _ = trainer.build_datasets(config, tokenizer)
+    train_set, _ = datasets.build_datasets(config, tokenizer)
     [(chosen, rejected)] = train_set.examples
     eot = end_of_turn_token(tokenizer)
     for seq, side in ((chosen, "chosen"), (rejected, "rejected")):

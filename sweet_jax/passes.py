@@ -1,0 +1,87 @@
+"""Whole-split passes on the mesh, shared by the trainer's setup and its evaluations: the frozen reference's
+label log-probs of every example (attached to a data.datasets.Dataset before its batches are built) and the
+held-out metrics; and how this host's batch rows become global arrays on the mesh and come back.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
+
+from sweet_jax.config_utils import TrainConfigError
+from sweet_jax.data.datasets import Dataset
+
+
+
+def data_shard(sharding, batch_size: int) -> tuple[int, int]:
+    """(index, count) of the slice of global batch rows this process feeds (data.batching's process_index /
+    process_count): (process_index, process_count) when the batch is split over processes, fewer slices when
+    processes hold replicas of the same rows (a tensor axis across hosts)."""
+    if jax.process_count() == 1:
+        return 0, 1
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(*index[0].indices(batch_size)))
+    lo, n = min(rows), len(rows)
+    if max(rows) - lo + 1 != n or lo % n or batch_size % n:
+        raise TrainConfigError(f"this process's devices hold batch rows {sorted(rows)} of {batch_size}, not one "
+                               "aligned contiguous slice; set --config.mesh.shape so that each host's devices "
+                               "are neighbours on the (data, fsdp) axes")
+    return lo // n, batch_size // n
+
+
+def to_global(batch: dict[str, np.ndarray], sharding) -> dict:
+    """This process's rows of a batch -> global jax.Arrays (rows of all processes, in process order)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def to_host(x) -> np.ndarray:
+    """A global jax.Array as one numpy array on every host (gathered when other hosts hold parts of it)."""
+    if not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def one_pass(dataset: Dataset, make_batches, **kwargs):
+    """(iterator, steps) over every example once, longest first (little padding, few shapes to compile)."""
+    it = make_batches(dataset, shuffle=False, longest_first=True, num_epochs=1, **kwargs)
+    return it, range(it.steps_per_epoch)
+
+
+def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> list:
+    """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
+    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist."""
+    it, batch_steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
+    refs: list = [None] * len(dataset)
+    lo = it.process_index * it.local_batch_size
+    for step in tqdm(batch_steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
+        batch = it.batch_at(0, step)
+        logp_BPT = to_host(ref_logp_fn(params, to_global(
+            {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+        T = batch["input_ids"].shape[-1]
+        for row, i in enumerate(it.local_indices(0, step)):
+            if i >= 0:
+                refs[i] = tuple(logp_BPT[lo + row, p, :len(seq)] if padding_side == "right"
+                                else logp_BPT[lo + row, p, T - len(seq):] for p, seq in enumerate(dataset.examples[i]))
+    return refs
+
+
+def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_params=None) -> dict:
+    """Metrics over the whole held-out set (each batch's means weighted by its number of real examples)."""
+    totals: dict[str, float] = {}
+    count = 0
+    it, batch_steps = one_pass(dataset, make_batches)
+    for step in batch_steps:
+        args = (params, to_global(it.batch_at(0, step), sharding)) + ((ref_params,) if ref_params is not None else ())
+        metrics = jax.device_get(eval_fn(*args))
+        rows = it.real_rows(0, step)
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + float(v) * rows
+        count += rows
+    return {k: v / count for k, v in totals.items()} if count else {}
+
+
+def rename_metrics(m: dict) -> dict:
+    """Metric names as the logs and plot show them."""
+    return {("pair_accuracy" if k == "accuracy" else k): v for k, v in m.items()}
