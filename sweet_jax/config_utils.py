@@ -77,6 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b2 = 0.95
     c.optim.weight_decay = 0.0
     c.optim.clip = 1.0                # global gradient-norm clip
+    c.optim.moments_dtype = "float32"  # float32 | bfloat16: Adam's two moments stored in bf16 (half the state)
 
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft
@@ -111,6 +112,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
     need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
+    need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
+         "use float32 or bfloat16")
     need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
     mb = config.train.micro_batch_size
     need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",

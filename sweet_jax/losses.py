@@ -9,6 +9,8 @@ Shapes: B batch, T tokens, D hidden, V vocabulary, K turns.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -67,7 +69,7 @@ def _label_logprobs_fwd(hidden_BCD, labels_BC, unembed_DV):
     return label_logit_BC - lse_BC, (hidden_BCD, labels_BC, unembed_DV, lse_BC, logits_BCV)
 
 
-def _label_logprobs_bwd(residuals, g_BC):
+def _label_logprobs_bwd(residuals, g_BC, grad_dtype=None):
     # d logp / d logits = onehot(label) - softmax(logits): one fused pass over [B, C, V] instead of autodiff's
     # separate logsumexp and masked-sum cotangents plus a transposed copy of them.
     hidden_BCD, labels_BC, unembed_DV, lse_BC, logits_BCV = residuals
@@ -82,7 +84,7 @@ def _label_logprobs_bwd(residuals, g_BC):
     d_hidden = jax.lax.dot_general(dlogits_BCV, unembed_DV, (((2,), (1,)), ((), ())), preferred_element_type=acc)
     d_unembed = jax.lax.dot_general(hidden_BCD, dlogits_BCV, (((0, 1), (0, 1)), ((), ())),
                                     preferred_element_type=acc)
-    return d_hidden.astype(hidden_BCD.dtype), None, d_unembed.astype(unembed_DV.dtype)
+    return d_hidden.astype(hidden_BCD.dtype), None, d_unembed.astype(grad_dtype or unembed_DV.dtype)
 
 
 _label_logprobs_keep_logits.defvjp(_label_logprobs_fwd, _label_logprobs_bwd)
@@ -106,7 +108,7 @@ def logits_chunk_positions(vocab_size: int, chunk_size: int | None = None) -> in
 
 
 def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.Array, *,
-                   chunk_size: int | None = None) -> jax.Array:
+                   chunk_size: int | None = None, unembed_grad_spec=None) -> jax.Array:
     """log softmax(hidden @ unembed)[label] per position -> [B, N] float32, `chunk_size` positions at a time,
     counted over the whole batch (B x N positions; None: LOGITS_CHUNK_BYTES of logits, logits_chunk_positions).
 
@@ -117,6 +119,11 @@ def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.
     their cotangent. When everything fits in one chunk, remat would save no peak memory, so the logits are
     kept for a fused backward (d logp / d logits = onehot - softmax in one pass; 0.87x the time of a whole CPU
     critic step).
+
+    unembed_grad_spec (a PartitionSpec of the ambient mesh, jax.set_mesh; the unembedding's own sharding): the
+    chunked backward accumulates the unembedding's gradient in float32 under that sharding, chunk by chunk
+    (`_chunked_label_logprobs`), instead of leaving XLA a whole [D, V] accumulator on every chip (2 GiB for
+    Llama-3.1-8B's vocabulary). Each chunk's partial gradient is then reduce-scattered as it is made.
     """
     B, n, D = hidden_BND.shape
     if n == 0:
@@ -131,18 +138,56 @@ def label_logprobs(hidden_BND: jax.Array, unembed_DV: jax.Array, labels_BN: jax.
     hidden_N1CD = jnp.pad(hidden_BND.reshape(total, D), ((0, pad), (0, 0))).reshape(num_chunks, 1, chunk, D)
     labels_N1C = jnp.pad(labels_BN.reshape(total), (0, pad)).reshape(num_chunks, 1, chunk)
 
-    chunk_fn = jax.checkpoint(_chunk_label_logprobs)
+    if unembed_grad_spec is not None:
+        logp_N1C = _chunked_label_logprobs(unembed_grad_spec, hidden_N1CD, labels_N1C, unembed_DV)
+    else:
+        chunk_fn = jax.checkpoint(_chunk_label_logprobs)
 
-    def body(_, xs):
-        h, y = xs
-        return None, chunk_fn(h, y, unembed_DV)
+        def body(_, xs):
+            h, y = xs
+            return None, chunk_fn(h, y, unembed_DV)
 
-    _, logp_N1C = jax.lax.scan(body, None, (hidden_N1CD, labels_N1C))
+        _, logp_N1C = jax.lax.scan(body, None, (hidden_N1CD, labels_N1C))
     return logp_N1C.reshape(num_chunks * chunk)[:total].reshape(B, n)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_label_logprobs(unembed_grad_spec, hidden_N1CD, labels_N1C, unembed_DV):
+    """Label log-probs of [num_chunks, 1, C, D] chunks -> [num_chunks, 1, C]: the scan of `label_logprobs`
+    with a hand-written backward that keeps the unembedding's gradient sharded (unembed_grad_spec)."""
+    def body(_, xs):
+        h, y = xs
+        return None, _chunk_label_logprobs(h, y, unembed_DV)
+
+    return jax.lax.scan(body, None, (hidden_N1CD, labels_N1C))[1]
+
+
+def _chunked_label_logprobs_fwd(unembed_grad_spec, hidden_N1CD, labels_N1C, unembed_DV):
+    # Residuals: the inputs only; each chunk's logits are recomputed in the backward (as jax.checkpoint would).
+    return (_chunked_label_logprobs(unembed_grad_spec, hidden_N1CD, labels_N1C, unembed_DV),
+            (hidden_N1CD, labels_N1C, unembed_DV))
+
+
+def _chunked_label_logprobs_bwd(unembed_grad_spec, residuals, g_N1C):
+    hidden_N1CD, labels_N1C, unembed_DV = residuals
+    shard = lambda x: jax.lax.with_sharding_constraint(x, unembed_grad_spec)  # noqa: E731
+
+    def body(d_unembed_DV, xs):
+        h, y, g = xs
+        d_h, _, d_u = _label_logprobs_bwd(_label_logprobs_fwd(h, y, unembed_DV)[1], g, grad_dtype=jnp.float32)
+        # Constrained before the add: each chunk's [D, V] partial sum is reduce-scattered to the shards at once.
+        return shard(d_unembed_DV + shard(d_u)), d_h
+
+    init = shard(jnp.zeros(unembed_DV.shape, jnp.float32))
+    d_unembed_DV, d_hidden_N1CD = jax.lax.scan(body, init, (hidden_N1CD, labels_N1C, g_N1C))
+    return d_hidden_N1CD, None, d_unembed_DV.astype(unembed_DV.dtype)
+
+
+_chunked_label_logprobs.defvjp(_chunked_label_logprobs_fwd, _chunked_label_logprobs_bwd)
+
+
 def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array, *,
-                   chunk_size: int | None = None) -> jax.Array:
+                   chunk_size: int | None = None, unembed_grad_spec=None) -> jax.Array:
     """Label log-probs of every position from final hidden states: logp_BT[:, t] = log p(input_ids[:, t] |
     hidden at t-1), logp_BT[:, 0] = 0. Same values and gradients as `token_logprobs_naive(hidden @ unembed,
     ids)`, computed by `label_logprobs` (chunked)."""
@@ -150,12 +195,14 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: j
     B, T, _ = hidden_BTD.shape
     if T <= 1:
         return jnp.zeros((B, T), jnp.float32)
-    logp = label_logprobs(hidden_BTD[:, :-1], unembed_DV, input_ids_BT[:, 1:], chunk_size=chunk_size)
+    logp = label_logprobs(hidden_BTD[:, :-1], unembed_DV, input_ids_BT[:, 1:], chunk_size=chunk_size,
+                          unembed_grad_spec=unembed_grad_spec)
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
 def token_logprobs_at(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT: jax.Array,
-                      positions_BS: jax.Array, *, chunk_size: int | None = None) -> jax.Array:
+                      positions_BS: jax.Array, *, chunk_size: int | None = None,
+                      unembed_grad_spec=None) -> jax.Array:
     """`token_logprobs(...)` read at `positions_BS` only ([B, S] int, -1 = padding, which gets 0) -> [B, S].
 
     The losses need the log-probs of the action tokens alone, so the trainer passes their positions (the
@@ -167,7 +214,8 @@ def token_logprobs_at(hidden_BTD: jax.Array, unembed_DV: jax.Array, input_ids_BT
     prev_BS = jnp.maximum(positions_BS - 1, 0)
     hidden_BSD = jnp.take_along_axis(hidden_BTD, prev_BS[..., None], axis=1)
     labels_BS = jnp.take_along_axis(input_ids_BT, jnp.maximum(positions_BS, 0), axis=1)
-    logp = label_logprobs(hidden_BSD, unembed_DV, labels_BS, chunk_size=chunk_size)
+    logp = label_logprobs(hidden_BSD, unembed_DV, labels_BS, chunk_size=chunk_size,
+                          unembed_grad_spec=unembed_grad_spec)
     return jnp.where(valid_BS, logp, 0.0)
 
 

@@ -215,10 +215,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         print(f"mesh: {why}", file=sys.stderr, flush=True)
 
     # Sharded abstract state and batch
-    lr = float(config.optim.lr)
-    optimizer = steps.make_optimizer(lr, 1000, warmup_ratio=config.optim.warmup_ratio,
-                                     final_ratio=config.optim.final_ratio, b1=config.optim.b1, b2=config.optim.b2,
-                                     weight_decay=config.optim.weight_decay, clip=config.optim.clip)
+    optimizer, lr_schedule = steps.optimizer_from_config(config.optim, 1000)
     lora = LoRAConfig.from_config(config.get("lora"))  # rank > 0: adapters trained, the base frozen
     state = steps.abstract_train_state(lambda: add_adapters(Llama(mcfg, rngs=nnx.Rngs(0)), lora), optimizer, mesh,
                                        trainable=nnx.LoRAParam if lora.enabled else nnx.Param)
@@ -234,7 +231,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
 
     # Lower and compile
     step = steps.make_step(steps.loss_spec(config.loss), state, optimizer, mesh, micro_batch_size=micro,
-                           ref_in_step=ref_in_step, lr_schedule=steps.make_schedule(lr, 1000))
+                           ref_in_step=ref_in_step, lr_schedule=lr_schedule)
     args = (state, batch) + ((state.params,) if ref_in_step and kind != "rft" else ())
     if verbose:
         print(f"compiling the {kind} step of a {mcfg.num_params() / 1e9:.2f}B-parameter Llama, batch {B}x{P}x{T}"

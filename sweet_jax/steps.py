@@ -48,20 +48,54 @@ def make_schedule(lr: float, total_steps: int, *, warmup_ratio: float = 0.03,
                                               decay_steps=total_steps, end_value=final_ratio * lr)
 
 
+MOMENTS_DTYPES = ("float32", "bfloat16")
+
+
 def make_optimizer(lr: float, total_steps: int, *, warmup_ratio: float = 0.03, final_ratio: float = 0.1,
-                   b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0,
-                   clip: float = 1.0) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip) then AdamW on the warm-up + cosine schedule."""
+                   b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0, clip: float = 1.0,
+                   moments_dtype: str = "float32") -> optax.GradientTransformation:
+    """clip_by_global_norm(clip) then AdamW on the warm-up + cosine schedule.
+
+    moments_dtype 'bfloat16' stores both Adam moments in bfloat16 (half the optimiser state: 4 instead of 8 bytes
+    per parameter); they are updated in float32 and rounded once per step (`_moments_stored_in`; optax's own
+    mu_dtype covers the first moment only, and computes b1 * mu in bfloat16)."""
+    if moments_dtype not in MOMENTS_DTYPES:
+        raise StepConfigError(f"optim.moments_dtype={moments_dtype!r} is not one of {MOMENTS_DTYPES}.")
     schedule = make_schedule(lr, total_steps, warmup_ratio=warmup_ratio, final_ratio=final_ratio)
-    return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    if moments_dtype != "float32":
+        adamw = _moments_stored_in(jnp.dtype(moments_dtype), adamw)
+    return optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+def _moments_stored_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` with the moments (mu, nu) of every optax.ScaleByAdamState in it stored in `dtype`: read back as
+    float32 for the update, rounded after it (this step's update uses the unrounded values, as optax's mu_dtype
+    does). Elementwise, so XLA fuses the casts into the update (no float32 copy of the whole state). bfloat16 keeps
+    8 significant bits: with b2 = 0.95 each step's (1 - b2) g^2 term is well above the rounding of nu; with b2
+    close to 1 (0.999) small increments would round away."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+
+    def cast(state, to):
+        as_ = lambda tree: jax.tree.map(lambda v: v.astype(to), tree)  # noqa: E731
+        return jax.tree.map(lambda s: s._replace(mu=as_(s.mu), nu=as_(s.nu)) if is_adam(s) else s, state,
+                            is_leaf=is_adam)
+
+    def init(params):
+        return cast(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
 
 
 def optimizer_from_config(optim, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(optimizer, lr schedule) from the config's `optim` section."""
     kw = dict(warmup_ratio=optim.warmup_ratio, final_ratio=optim.final_ratio)
-    return (make_optimizer(optim.lr, total_steps, b1=optim.b1, b2=optim.b2,
-                           weight_decay=optim.weight_decay, clip=optim.clip, **kw),
+    return (make_optimizer(optim.lr, total_steps, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
+                           clip=optim.clip, moments_dtype=optim.get("moments_dtype", "float32"), **kw),
             make_schedule(optim.lr, total_steps, **kw))
 
 
@@ -153,15 +187,30 @@ def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *
                       positions_NS=None, temperature: float = 1.0):
     """Per-token label log-probs [N, T] float32 from the model's hidden states (chunked unembedding); with
     positions_NS [N, S] (-1 = padding), only at those positions: [N, S] (losses.token_logprobs_at).
-    temperature: log softmax(logits / temperature) (the official ranking reads vLLM's at 0.5)."""
+    temperature: log softmax(logits / temperature) (the official ranking reads vLLM's at 0.5).
+    Under a mesh the chunked backward keeps the unembedding's gradient sharded like the unembedding
+    (unembed_grad_spec; losses.label_logprobs)."""
     model = nnx.merge(graphdef, params, rest)
     hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
     unembed = model.unembedding()
     if temperature != 1.0:
         unembed = unembed / jnp.asarray(temperature, unembed.dtype)  # logits are linear in the unembedding
+    grad_spec = unembed_grad_spec(unembed.shape)
     if positions_NS is not None:
-        return losses.token_logprobs_at(hidden_NTD, unembed, input_ids_NT, positions_NS, chunk_size=chunk_size)
-    return losses.token_logprobs(hidden_NTD, unembed, input_ids_NT, chunk_size=chunk_size)
+        return losses.token_logprobs_at(hidden_NTD, unembed, input_ids_NT, positions_NS, chunk_size=chunk_size,
+                                        unembed_grad_spec=grad_spec)
+    return losses.token_logprobs(hidden_NTD, unembed, input_ids_NT, chunk_size=chunk_size,
+                                 unembed_grad_spec=grad_spec)
+
+
+def unembed_grad_spec(shape_DV):
+    """The [D, V] unembedding's PartitionSpec on the ambient mesh (jax.set_mesh: the trainer and the planner
+    trace their steps under it), for its gradient in the chunked log-prob backward; None without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    sh = _sharding_module()
+    return sh.spec_for_shape(shape_DV, sh.logical_to_spec(("embed", "vocab")), mesh)
 
 
 def _pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature: float = 1.0):

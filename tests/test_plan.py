@@ -99,3 +99,22 @@ def test_out_of_memory_from_the_tpu_compiler_reads_as_does_not_fit():
     assert not plan.Plan(**dict(base, temp_bytes=11 * plan.GiB)).fits
     refused = plan.Plan(**dict(base, temp_bytes=int(19.25 * plan.GiB), compile_error=msg))
     assert not refused.fits and "NO" in plan.report(refused) and "refused" in plan.report(refused)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
+def test_bfloat16_moments_compile_for_a_tpu_slice_with_half_the_optimiser_state():
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    c = base_config()
+    c.model.preset = "tiny"
+    c.data.max_len = 128
+    c.train.batch_size = 4
+    c.mesh.shape = (1, 4, 1)
+    topology = plan.parse_topology("v5e:2x2")
+    f32 = plan.make_plan(c, topology, verbose=False)
+    c.optim.moments_dtype = "bfloat16"
+    bf16 = plan.make_plan(c, topology, verbose=False)
+    from sweet_jax.models import LlamaConfig
+    n = LlamaConfig.tiny().num_params()
+    # Two moments go from 4 to 2 bytes per parameter: 4 bytes per parameter, over 4 chips where sharded.
+    saved = f32.argument_bytes - bf16.argument_bytes
+    assert 0.95 * 4 * n / 4 <= saved <= 4 * n and bf16.fits

@@ -291,3 +291,105 @@ def test_scored_positions_give_the_same_step_as_every_position(kind, P_):
             np.testing.assert_allclose(metrics[key], full_metrics[key], rtol=2e-5, atol=1e-6, err_msg=key)
         for (k, a), b in zip(flat_params(full_state).items(), flat_params(state).values()):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_bfloat16_moments_follow_adamw_with_moments_rounded_each_step():
+    """Independent numpy AdamW (clip, bias correction, decoupled weight decay) whose two moments are stored
+    rounded to bfloat16 after every step: the optimiser's updates and stored moments match it; float32 moments differ."""
+    import ml_dtypes
+
+    lr, b1, b2, eps, wd, clip = 1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(64,)).astype(np.float32)}
+    grads = [{"w": (rng.normal(size=(64,)) * 10 ** rng.uniform(-3, 0, 64)).astype(np.float32)} for _ in range(5)]
+    tx = steps.make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd,
+                              clip=clip, moments_dtype="bfloat16")
+    state = tx.init(params)
+    adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    assert adam.mu["w"].dtype == jnp.bfloat16 and adam.nu["w"].dtype == jnp.bfloat16
+
+    bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    p, mu, nu = params["w"].astype(np.float64), np.zeros(64), np.zeros(64)
+    jp = params
+    for t, g in enumerate(grads, start=1):
+        gn = g["w"].astype(np.float64)
+        gn = gn * min(1.0, clip / np.linalg.norm(gn))
+        mu, nu = b1 * mu + (1 - b1) * gn, b2 * nu + (1 - b2) * gn ** 2  # this step's update reads them unrounded
+        update = -lr * ((mu / (1 - b1 ** t)) / (np.sqrt(nu / (1 - b2 ** t)) + eps) + wd * p)
+        mu, nu = bf16(mu).astype(np.float64), bf16(nu).astype(np.float64)  # ... and stores them rounded
+        p = p + update
+        updates, state = tx.update(g, state, jp)
+        jp = optax.apply_updates(jp, updates)
+        np.testing.assert_allclose(np.asarray(updates["w"]), update, rtol=2e-3, atol=1e-7, err_msg=f"step {t}")
+    adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    np.testing.assert_array_equal(np.asarray(adam.nu["w"], np.float32), nu.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(adam.mu["w"], np.float32), mu.astype(np.float32))
+    # float32 moments give a different trajectory: the rounding is what the numpy reference models.
+    tx32 = steps.make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd, clip=clip)
+    s32, p32 = tx32.init(params), params
+    for g in grads:
+        u, s32 = tx32.update(g, s32, p32)
+        p32 = optax.apply_updates(p32, u)
+    assert np.abs(np.asarray(p32["w"]) - np.asarray(jp["w"])).max() > 1e-6
+
+
+def test_bfloat16_moments_halve_the_optimiser_state_and_train_sharded():
+    batch = pair_batch()
+    opt32 = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0)
+    opt16 = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, moments_dtype="bfloat16")
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    params = nnx.state(make_model(), nnx.Param)
+    assert nbytes(jax.eval_shape(opt16.init, params)) * 2 == pytest.approx(nbytes(jax.eval_shape(opt32.init, params)),
+                                                                            rel=1e-3)
+    single, m1 = run_step("critic", None, batch, optimizer=opt16, num_steps=3)
+    sharded, m8 = run_step("critic", (1, 4, 2), batch, optimizer=opt16, num_steps=3)
+    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-4)
+    for name, value in flat_params(sharded).items():
+        np.testing.assert_allclose(value, flat_params(single)[name], rtol=1e-3, atol=1e-5, err_msg=name)
+    with pytest.raises(steps.StepConfigError, match="moments_dtype"):
+        steps.make_optimizer(1e-3, 10, moments_dtype="float16")
+
+
+def test_sharded_unembedding_gradient_gives_the_same_step(monkeypatch):
+    """Under the trainer's jax.set_mesh the chunked log-prob backward accumulates the unembedding gradient
+    sharded like the unembedding (losses._chunked_label_logprobs); it gives the same update as XLA's own
+    layout of the autodiff scan (steps.unembed_grad_spec -> None) on a (1, 4, 2) mesh of 8 devices."""
+    batch = pair_batch()
+    mesh = sharding.make_mesh((1, 4, 2))
+    results = {}
+    for name in ("sharded", "xla"):
+        if name == "xla":
+            monkeypatch.setattr(steps, "unembed_grad_spec", lambda shape: None)
+        with jax.set_mesh(mesh):
+            results[name] = run_step("dpo", (1, 4, 2), batch, num_steps=2)  # SGD: the update is the gradient
+    (state, metrics), (ref_state, ref_metrics) = results["sharded"], results["xla"]
+    np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+    want = flat_params(ref_state)
+    for name, value in flat_params(state).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_sharded_unembedding_gradient_is_sharded_and_exact():
+    """losses.label_logprobs with unembed_grad_spec: the same gradients as the autodiff scan, and the compiled
+    backward holds less than the whole float32 [D, V] accumulator of the other per device."""
+    D, V, N = 64, 4096, 256
+    rng = np.random.default_rng(0)
+    mesh = sharding.make_mesh((1, 4, 2))
+    hidden = jax.device_put(rng.normal(size=(8, N, D)).astype(np.float32), sharding.batch_sharding(mesh, 3))
+    unembed = jax.device_put((rng.normal(size=(D, V)) / 8).astype(np.float32),
+                             jax.sharding.NamedSharding(mesh, P("fsdp", "tensor")))
+    labels = jax.device_put(rng.integers(0, V, (8, N)).astype(np.int32), sharding.batch_sharding(mesh, 2))
+    compiled, grads = {}, {}
+    for name, spec in (("sharded", P("fsdp", "tensor")), ("xla", None)):
+        fn = jax.jit(jax.grad(lambda h, w: (losses.label_logprobs(h, w, labels, chunk_size=128,
+                                                                  unembed_grad_spec=spec) ** 2).sum(), (0, 1)))
+        with jax.set_mesh(mesh):
+            compiled[name] = fn.lower(hidden, unembed).compile()
+            grads[name] = fn(hidden, unembed)
+    for a, b in zip(grads["sharded"], grads["xla"]):  # float32 sums in another order: ~1e-7 of the largest entry
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6 * np.abs(np.asarray(b)).max())
+    assert grads["sharded"][1].sharding.spec == P("fsdp", "tensor")
+    temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    assert temps["sharded"] < temps["xla"], temps
