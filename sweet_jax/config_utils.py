@@ -78,6 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.0
     c.optim.clip = 1.0                # global gradient-norm clip
     c.optim.moments_dtype = "float32"  # float32 | bfloat16: Adam's two moments stored in bf16 (half the state)
+    c.optim.offload_state = False     # optimiser state in host memory between steps (TPU/GPU memory kinds)
 
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft

@@ -158,6 +158,7 @@ class Plan:
     estimated: bool = False  # True: extrapolated from shallower compiles (extrapolated_plan)
     compile_error: str = ""  # the TPU compiler's out-of-memory message when it refused the program
     mesh_note: str = ""      # why the mesh differs from config.mesh.shape (sharding.choose_mesh_shape), or ''
+    host_bytes: int = 0      # arguments in host memory (optim.offload_state), not counted in HBM
 
     @property
     def total_bytes(self) -> int:
@@ -218,7 +219,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     optimizer, lr_schedule = steps.optimizer_from_config(config.optim, 1000)
     lora = LoRAConfig.from_config(config.get("lora"))  # rank > 0: adapters trained, the base frozen
     state = steps.abstract_train_state(lambda: add_adapters(Llama(mcfg, rngs=nnx.Rngs(0)), lora), optimizer, mesh,
-                                       trainable=nnx.LoRAParam if lora.enabled else nnx.Param)
+                                       trainable=nnx.LoRAParam if lora.enabled else nnx.Param,
+                                       offload_opt_state=config.optim.get("offload_state", False))
     bsh = steps.batch_sharding(mesh)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh)  # noqa: E731
     batch = {"input_ids": sds((B, P, T), jnp.int32), "attention_mask": sds((B, P, T), jnp.int32),
@@ -246,7 +248,9 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                 layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), mcfg.attention_impl
                                   + (f" {mcfg.attention_chunk_size}" if mcfg.attention_impl == "chunked" else "")]
                                  + (["SP"] if config.model.get("sequence_parallel", False) else [])
-                                 + ([f"LoRA r{lora.rank}"] if lora.enabled else [])))
+                                 + ([f"LoRA r{lora.rank}"] if lora.enabled else [])
+                                 + (["bf16 moments"] if config.optim.get("moments_dtype") == "bfloat16" else [])
+                                 + (["opt state on host"] if config.optim.get("offload_state") else [])))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses programs that exceed HBM
@@ -255,7 +259,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
             raise
         # What the compiler reports before giving up: the temporaries it needed; arguments are estimated from
         # the sharded input shapes (params, optimiser state, batch).
-        arg_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(args))
+        arg_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(args)
+                        if getattr(x.sharding, "memory_kind", None) != steps.HOST_MEMORY)
         return dataclasses.replace(plan, argument_bytes=arg_bytes, temp_bytes=over, compile_error=str(e).strip()
                                    .splitlines()[0][:300])
     mem = compiled.memory_analysis()
@@ -264,6 +269,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     return dataclasses.replace(
         plan, argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+        host_bytes=int(getattr(mem, "host_argument_size_in_bytes", 0) or 0),
         code_bytes=int(mem.generated_code_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)))
 
 
@@ -311,6 +317,8 @@ def report(plan: Plan) -> str:
     ] + ([f"mesh       chosen: {plan.mesh_note}"] if plan.mesh_note else []) + [
         "per chip:",
         f"  arguments {g(plan.argument_bytes)}   (params, optimiser state, batch)",
+    ] + ([f"  host      {g(plan.host_bytes)}   (optimiser state offloaded to host memory, not in HBM)"]
+         if plan.host_bytes else []) + [
         f"  outputs   {g(plan.output_bytes)}   ({plan.alias_bytes / GiB:.2f} GiB aliased to donated arguments)",
         f"  temps     {g(plan.temp_bytes)}   (activations, gradients, workspace)",
         f"  code      {g(plan.code_bytes)}",

@@ -121,28 +121,48 @@ def _sharding_module():
     return sharding
 
 
-def state_shardings(graphdef, params, rest, optimizer, mesh) -> TrainState:
+HOST_MEMORY = "pinned_host"
+
+
+def state_shardings(graphdef, params, rest, optimizer, mesh, *, offload_opt_state: bool = False) -> TrainState:
     """NamedShardings for every leaf of the train state (params and the frozen rest, e.g. a LoRA run's base
-    weights, by the logical rules; moments like params)."""
+    weights, by the logical rules; moments like params).
+
+    offload_opt_state: the optimiser state lives in host memory (memory kind 'pinned_host', where the devices
+    have it: TPU, GPU, and the CPU backend, where it is the same RAM); the step brings it to the device for the
+    update and writes it back (`_train_step`), so it takes no HBM between steps."""
     sh = _sharding_module()
     params_sh = sh.param_shardings(params, mesh)
     opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_sh = sh.opt_state_shardings(opt_shapes, params_sh, mesh)
+    if offload_opt_state and _has_host_memory(mesh):
+        # Matrices only: the norms' vectors and the step counts are a few KiB, and the TPU compiler does not
+        # update such small host arrays in place ("Lane slice updating is not supported").
+        opt_sh = jax.tree.map(lambda s, x: s.with_memory_kind(HOST_MEMORY) if x.ndim >= 2 else s, opt_sh, opt_shapes)
     repl = NamedSharding(mesh, PartitionSpec())
     return TrainState(graphdef=graphdef, params=params_sh, opt_state=opt_sh, step=repl,
                       rest=sh.param_shardings(rest, mesh))
 
 
+def _has_host_memory(mesh) -> bool:
+    device = mesh.devices.flat[0]
+    try:
+        return any(m.kind == HOST_MEMORY for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - abstract devices of a compile-only topology list no memories
+        return device.platform == "tpu"
+
+
 def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
-                       mesh: jax.sharding.Mesh | None = None, *, trainable=nnx.Param) -> TrainState:
+                       mesh: jax.sharding.Mesh | None = None, *, trainable=nnx.Param,
+                       offload_opt_state: bool = False) -> TrainState:
     """Split the model, place params (and freshly initialised optimiser moments) on their shardings.
     trainable: the variables that are trained and held by the optimiser (nnx.LoRAParam: LoRA's adapters only;
-    the rest, frozen, is in state.rest)."""
+    the rest, frozen, is in state.rest). offload_opt_state: the moments in host memory, see state_shardings."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
     if mesh is None:
         return TrainState(graphdef=graphdef, params=params, opt_state=optimizer.init(params),
                           step=jnp.zeros((), jnp.int32), rest=rest)
-    shardings = state_shardings(graphdef, params, rest, optimizer, mesh)
+    shardings = state_shardings(graphdef, params, rest, optimizer, mesh, offload_opt_state=offload_opt_state)
     params = jax.device_put(params, shardings.params)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
@@ -151,11 +171,12 @@ def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformatio
 
 
 def abstract_train_state(model_fn: Callable[[], nnx.Module], optimizer: optax.GradientTransformation,
-                         mesh: jax.sharding.Mesh, *, trainable=nnx.Param) -> TrainState:
+                         mesh: jax.sharding.Mesh, *, trainable=nnx.Param,
+                         offload_opt_state: bool = False) -> TrainState:
     """The train state as sharded jax.ShapeDtypeStructs, without allocating anything (for AOT compiles)."""
     abstract_model = nnx.eval_shape(model_fn)
     graphdef, params, rest = nnx.split(abstract_model, trainable, ...)
-    shardings = state_shardings(graphdef, params, rest, optimizer, mesh)
+    shardings = state_shardings(graphdef, params, rest, optimizer, mesh, offload_opt_state=offload_opt_state)
     opt_shapes = jax.eval_shape(optimizer.init, params)
 
     def sds(x, s):
@@ -383,10 +404,14 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     return grads, metrics
 
 
-def _train_step(spec, optimizer, lr_schedule, micro_batch_size, mesh, state: TrainState, batch, ref_params=None):
+def _train_step(spec, optimizer, lr_schedule, micro_batch_size, mesh, opt_device_sh, state: TrainState, batch,
+                ref_params=None):
     grads, metrics = _grads_and_metrics(spec, state.graphdef, state.params, state.rest, batch, ref_params,
                                         micro_batch_size=micro_batch_size, mesh=mesh)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    opt_state = state.opt_state
+    if opt_device_sh is not None:  # offloaded: to the device for the update; out_shardings put it back on the host
+        opt_state = jax.device_put(opt_state, opt_device_sh)
+    updates, opt_state = optimizer.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -424,10 +449,13 @@ def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_
     shardings are read. Metrics: the loss's (loss, accuracy, margin, ...), grad_norm, lr (with lr_schedule),
     num_tokens."""
     import functools
-    fn = functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh)
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0)
+        return jax.jit(functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, None),
+                       donate_argnums=0)
     state_sh = shardings_of(state)
+    offloaded = any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(state_sh.opt_state))
+    opt_device_sh = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sh.opt_state) if offloaded else None
+    fn = functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, opt_device_sh)
     in_sh = (state_sh, batch_sharding(mesh)) + ((state_sh.params,) if ref_in_step and spec.needs_ref else ())
     out_sh = (state_sh, NamedSharding(mesh, PartitionSpec()))
     return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=0)

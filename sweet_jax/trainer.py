@@ -191,7 +191,8 @@ class Trainer:
                     where=f"the tokenizer {rundir.tokenizer_path(config)}")
         model = rundir.build_model(config, self.llama_config, mesh)
         optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
-        self.state = steps.create_train_state(model, optimizer, mesh, trainable=rundir.lora_trainable(config))
+        self.state = steps.create_train_state(model, optimizer, mesh, trainable=rundir.lora_trainable(config),
+                                              offload_opt_state=config.optim.get("offload_state", False))
         del model
         if config.lora.rank:
             trained = sum(x.size for x in jax.tree.leaves(self.state.params))

@@ -393,3 +393,27 @@ def test_sharded_unembedding_gradient_is_sharded_and_exact():
     assert grads["sharded"][1].sharding.spec == P("fsdp", "tensor")
     temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
     assert temps["sharded"] < temps["xla"], temps
+
+
+def test_offloaded_optimiser_state_trains_like_the_device_one():
+    """optim.offload_state: the moments live in host memory between steps (on the CPU backend its
+    'pinned_host' memory kind is the same RAM) and the step gives the same parameters and moments."""
+    batch = pair_batch()
+    mesh = sharding.make_mesh((1, 4, 2))
+    optimizer = steps.make_optimizer(1e-2, 10, warmup_ratio=0.0)
+    results = {}
+    for offload in (False, True):
+        state = steps.create_train_state(make_model(), optimizer, mesh, offload_opt_state=offload)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim >= 2}
+        assert kinds == ({steps.HOST_MEMORY} if offload else {"device"})
+        step = steps.make_step(steps.LossSpec("critic", beta=0.5, chunk_size=8), state, optimizer, mesh)
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim >= 2} == kinds
+        results[offload] = state, jax.device_get(metrics)
+    (off, m_off), (dev, m_dev) = results[True], results[False]
+    np.testing.assert_array_equal(m_off["loss"], m_dev["loss"])
+    for name, value in flat_params(off).items():
+        np.testing.assert_array_equal(value, flat_params(dev)[name], err_msg=name)
+    for a, b in zip(jax.tree.leaves(off.opt_state), jax.tree.leaves(dev.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
