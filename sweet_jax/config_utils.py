@@ -194,5 +194,5 @@ def paper_8b(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.ckpt_every = 200
     c.optim.lr = 2e-7
     c.loss.beta = 0.1
-    c.mesh.shape = (1, -1, 1)         # FSDP over every chip
+    c.mesh.shape = (1, -1, 1)         # FSDP over every chip (a valid mesh is chosen where 8 pairs do not split)
     return c
