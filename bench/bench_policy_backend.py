@@ -1,16 +1,19 @@
 """Candidates per second: the in-process sampler vs the same sampler behind the `openai` policy backend (HTTP).
 
     python bench/bench_policy_backend.py [--prompts 64] [--n 8] [--new-tokens 32] [--repeats 3]
+    python bench/bench_policy_backend.py --model HF_DIR --repeats 1     # a real checkpoint (SmolLM2-135M)
 
 The pipeline's candidates stage in miniature: `prompts` turn prompts (the demo tokenizer's chat template over
 short dialogues), `n` candidates each, `new-tokens` new tokens, temperature 1.0 with a fixed seed, on a random
-model of the demo policy's shape (hidden 64, 2 layers, the demo tokenizer's vocabulary).
+model of the demo policy's shape (hidden 64, 2 layers, the demo tokenizer's vocabulary), or with --model on that
+HF checkpoint and its own tokenizer and chat template.
 
   in_process   ranking.sample_candidates(Sampler): one generate call, sample rows batched `max_batch_size` at a
                time (the pipeline's setting: 64 rows);
   openai@C     the same call through policy_backend.OpenAISampler with C requests in flight (one prompt and its
                n samples each), to sweet_jax.serve's OpenAIApp over the *same* Sampler object (same compiled
-               programs) on 127.0.0.1, which batches concurrent requests up to the same 64 rows.
+               programs) on 127.0.0.1, which hands a burst of concurrent requests to the sampler as one call,
+               batched there into the same 64-row batches.
 
 Both sides draw the same candidates (request j carries the in-process seed of prompt j); the script checks it.
 Each side is run once to compile every shape, then timed `repeats` times (median). Candidates/s = prompts x n /
@@ -49,13 +52,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--model", default="", help="an HF checkpoint directory (default: the tiny random model)")
     args = parser.parse_args()
 
     from sweet_jax import policy_backend, ranking, rundir
     from sweet_jax.serve import start_server
 
-    model_dir = tempfile.mkdtemp(prefix="bench_policy_backend_")
-    build_model(model_dir)
+    model_dir = args.model
+    if not model_dir:
+        model_dir = tempfile.mkdtemp(prefix="bench_policy_backend_")
+        build_model(model_dir)
     sampler = rundir.load_sampler(model_dir, max_batch_size=64)
     eos, context = policy_backend.hf_eos_ids(model_dir)
     prompts = turn_prompts(args.prompts)
@@ -85,7 +91,8 @@ def main() -> None:
                      "overhead_pct": 100.0 * (1 - args.prompts * args.n / seconds / base),
                      "same_candidates_pct": 100.0 * same})
     server.close()
-    print(f"{args.prompts} prompts x {args.n} candidates x {args.new_tokens} tokens, load {os.getloadavg()[0]:.1f}")
+    print(f"{args.model or 'tiny random model'}: {args.prompts} prompts x {args.n} candidates x {args.new_tokens} "
+          f"tokens, load {os.getloadavg()[0]:.1f}")
     print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}")
     for r in rows:
         over = f"{r['overhead_pct']:.1f}%" if "overhead_pct" in r else "-"

@@ -18,8 +18,10 @@ ended a reply, with its log-prob, as vLLM's do.
 
 Batching: each HTTP request is handled on its own thread, validated (a 400 naming the field; 404 for a model
 this server does not serve), and queued; an engine thread takes the first queued request, waits
-`batch_window_s` for more (up to `max_batch_size` sample rows), runs one batched `Sampler.generate_requests`
-over all of them, and hands each request its samples. Two engine lanes: requests of more than
+`batch_window_s` for more, and again after each arrival (a client's burst: up to `max_wait_s` in all and
+`max_call_rows` sample rows, 8 x `max_batch_size` by default), runs one `Sampler.generate_requests` over all of
+them (it sorts them by prompt length into compiled batches of `max_batch_size` rows, as an in-process call
+does), and hands each request its samples. Two engine lanes: requests of more than
 `long_request_rows` sample rows x new tokens run in their own lane, so a long request does not hold short ones
 for its whole length. A batch that fails is re-run request by request: only the failing request gets the error.
 
@@ -66,7 +68,8 @@ class BadRequest(SweetJaxError):
 # ----------------------------------------------------------------------------------------------------------
 
 class BatchingEngine:
-    """Collects concurrent requests for a short window and runs them as one batched generate.
+    """Collects concurrent requests for a short window (extended while they keep arriving) and runs them as one
+    generate call.
 
     Two lanes, each its own thread and queue: requests costing more than `long_request_rows` sample rows x
     new tokens (n=64 with 480 tokens, say) run in the long lane, everything else in the short lane, so a long
@@ -75,10 +78,12 @@ class BatchingEngine:
     fails gets the error."""
 
     def __init__(self, sampler: Sampler, *, max_batch_size: int = 64, batch_window_s: float = 0.01,
-                 long_request_rows: int = 4096):
+                 long_request_rows: int = 4096, max_call_rows: int | None = None, max_wait_s: float = 0.25):
         self.sampler = sampler
         self.max_batch_size = max_batch_size
+        self.max_call_rows = max_call_rows or 8 * max_batch_size
         self.batch_window_s = batch_window_s
+        self.max_wait_s = max(max_wait_s, batch_window_s)
         self.long_request_rows = long_request_rows
         self.batch_sizes: list[int] = []  # requests per batched generate call (observability, tests)
         self._closed = threading.Event()
@@ -110,8 +115,9 @@ class BatchingEngine:
             if item is None:
                 break
             batch, rows = [item], item[0].params.n
-            deadline = time.monotonic() + self.batch_window_s
-            while rows < self.max_batch_size:
+            first = time.monotonic()
+            deadline = first + self.batch_window_s
+            while rows < self.max_call_rows:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     break
@@ -124,6 +130,10 @@ class BatchingEngine:
                     break
                 batch.append(nxt)
                 rows += nxt[0].params.n
+                # While requests keep coming (a client's burst), wait a window past the latest one, at most
+                # max_wait_s in all: the whole burst then goes to the sampler in one call, which sorts it by
+                # prompt length into batches of max_batch_size rows as an in-process call would.
+                deadline = min(time.monotonic() + self.batch_window_s, first + self.max_wait_s)
             self.batch_sizes.append(len(batch))
             self._generate(batch)
 
@@ -255,7 +265,7 @@ class OpenAIApp:
 
     def __init__(self, sampler: Sampler, *, model_name: str, max_batch_size: int = 64,
                  batch_window_s: float = 0.01, default_max_tokens: int = 256, request_timeout_s: float = 600,
-                 long_request_rows: int = 4096):
+                 long_request_rows: int = 4096, max_call_rows: int | None = None, max_wait_s: float = 0.25):
         if sampler.tokenizer is None:
             raise GenerateError("the server needs a tokenizer: load one with --tokenizer DIR")
         self.sampler = sampler
@@ -263,7 +273,8 @@ class OpenAIApp:
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self.engine = BatchingEngine(sampler, max_batch_size=max_batch_size, batch_window_s=batch_window_s,
-                                     long_request_rows=long_request_rows)
+                                     long_request_rows=long_request_rows, max_call_rows=max_call_rows,
+                                     max_wait_s=max_wait_s)
         self.created = int(time.time())
 
     def close(self) -> None:

@@ -228,6 +228,31 @@ def test_a_bad_request_never_fails_the_good_ones_sent_with_it(server):
     assert results[-1][1]["error"]["param"] == "top_k"
 
 
+def test_a_burst_goes_to_the_sampler_in_one_call_up_to_max_call_rows():
+    """Requests arriving less than a window apart wait for each other (up to max_wait_s in all), so a client's
+    burst reaches the sampler as one call, sorted there by prompt length as in-process; max_call_rows caps a call."""
+    class RecordingSampler:
+        def __init__(self):
+            self.calls = []
+
+        def generate_requests(self, requests):
+            self.calls.append([r.prompt_ids[0] for r in requests])
+            return [[f"samples of {r.prompt_ids}"] for r in requests]
+
+    for max_call_rows, want in ((64, [[0, 1, 2, 3, 4]]), (6, [[0, 1, 2], [3, 4]])):
+        sampler = RecordingSampler()
+        engine = BatchingEngine(sampler, batch_window_s=0.2, max_wait_s=5.0, max_call_rows=max_call_rows)
+        try:
+            futures = []
+            for i in range(5):  # 0.1 s apart: 0.4 s in all, twice the window
+                futures.append(engine.submit(Request([i], SamplingParams(max_new_tokens=2, n=2))))
+                time.sleep(0.1)
+            assert [f.result(timeout=30) for f in futures] == [[f"samples of {[i]}"] for i in range(5)]
+            assert sampler.calls == want
+        finally:
+            engine.close()
+
+
 def test_a_batch_that_fails_is_rerun_request_by_request():
     """Whatever slips past validation and fails inside the sampler fails only its own request."""
     class FlakySampler:
