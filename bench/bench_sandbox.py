@@ -95,8 +95,8 @@ def main():
     fresh_rate = bench_fresh_interpreter(args.baseline_n, args.workers)
     print(f"10-case task, {args.workers} concurrent evaluations, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"| approach                              | evals/min | vs fresh |")
-    print(f"|---------------------------------------|-----------|----------|")
+    print("| approach                              | evals/min | vs fresh |")
+    print("|---------------------------------------|-----------|----------|")
     print(f"| sandbox ({mode}, fork per eval)     | {sandbox_rate:9.0f} | {sandbox_rate / fresh_rate:7.1f}x |")
     print(f"| fresh interpreter per eval (no isol.) | {fresh_rate:9.0f} |    1.0x |")
     print(f"target >= 1,000 evals/min: {'met' if sandbox_rate >= 1000 else 'NOT met'}")

@@ -176,9 +176,10 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
         rng.shuffle(tasks)
         train, heldout = tasks[:t.num_train], tasks[t.num_train:]
     elif t.source in ("files", "frontend_files"):
-        from sweet_jax.data import demo_paths, load_tasks
-        if t.source == "frontend_files":
-            from sweet_jax.data.frontend import load_frontend_tasks as load_tasks
+        from sweet_jax.data import demo_paths
+        from sweet_jax.data import load_tasks as load_colbench_tasks
+        from sweet_jax.data.frontend import load_frontend_tasks
+        load_tasks = load_frontend_tasks if t.source == "frontend_files" else load_colbench_tasks
         if not t.train_path and t.source == "files":
             raise PipelineError("config.tasks.source='files' needs --config.tasks.train_path (ColBench tasks JSONL)")
         train = [x.to_json() for x in load_tasks(t.train_path or str(demo_paths().frontend_tasks))]

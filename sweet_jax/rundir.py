@@ -22,7 +22,6 @@ import subprocess
 import sys
 from typing import Any
 
-from sweet_jax import jsonl
 from sweet_jax.errors import SweetJaxError
 
 CONFIG_FILE = "config.json"

@@ -53,7 +53,7 @@ def test_answer_marker_counts_anywhere_in_the_reply_as_the_official_env():
 
 
 def test_output_marker_keeps_only_the_text_after_it():
-    reply = f"thinking aloud OUTPUT: What is your budget? OUTPUT: junk"
+    reply = "thinking aloud OUTPUT: What is your budget? OUTPUT: junk"
     parsed = parse_agent_reply(reply)
     assert parsed.content == " What is your budget? "
     assert parsed.raw == "thinking aloud OUTPUT: What is your budget? "

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from sweet_jax.data.frontend import extract_html
-from sweet_jax.envs.colbench import ColBenchEnv, parse_agent_reply, task_field
+from sweet_jax.envs.colbench import ColBenchEnv, task_field
 from sweet_jax.envs.prompts import ANSWER_MARKER
 from sweet_jax.envs.simulators import OpenAISimulator, Simulator, SimulatorError
 
