@@ -4,6 +4,7 @@ data, and the hosts' batches agree in shape and together are the single-host bat
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -166,3 +167,16 @@ def test_policy_pairs_train_on_the_sampled_ids_not_their_text_tokenised_again(to
         expected = prompt_ids + sampled[side][1] + [eot]
         np.testing.assert_array_equal(seq.input_ids, expected)
         np.testing.assert_array_equal(seq.turn_ids, [0] * len(prompt_ids) + [1] * (len(expected) - len(prompt_ids)))
+
+
+def test_a_bad_policy_pair_line_names_its_file_line_and_field(tokenizer, tmp_path):
+    """sweet_jax.rank lines are read as PolicyPair records: a wrong field is one error naming file:line and it."""
+    from sweet_jax.config_utils import TrainConfigError
+
+    good = {"trajectory_index": 0, "turn": 1, "task_key": "t0", "prompt": [{"role": "user", "content": "hi"}],
+            "prompt_text": "hi", "chosen": "a", "rejected": "b", "chosen_score": 1.0, "rejected_score": 0.0}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, chosen_score="high")) + "\n")
+    config = demo_config(file="policy.py", preset="demo", data__pairs=str(path), data__eval_fraction=0.0)
+    with pytest.raises(TrainConfigError, match=re.escape(f"{path}:2: field 'chosen_score': must be int or float, got str")):
+        datasets.build_datasets(config, tokenizer)

@@ -15,14 +15,14 @@ from sweet_jax.data.batching import (BatchError, BatchIterator, bucket_for, buck
                                      example_lengths, gather_lengths, host_range)
 from sweet_jax.data.demo import DemoPaths
 from sweet_jax.data.demo import paths as demo_paths
-from sweet_jax.data.pairs import (Examples, PolicyPair, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
+from sweet_jax.data.pairs import (Examples, PairPick, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
                                   group_by_task, mtdpo_pairs, pair_examples, policy_pairs,
                                   rft_examples, sft_examples)
 from sweet_jax.data.render import (INFO_PLACEMENTS, OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, RenderError,
                                    fit_all, fit_length, info_text, render_dialogue, render_prerendered,
                                    render_prompt, render_trajectory, reply_from_tokens)
-from sweet_jax.data.schema import (DataError, Loaded, Task, Trajectory, Turn, load_tasks, load_trajectories,
-                                   write_jsonl)
+from sweet_jax.data.schema import (CandidatesRecord, DataError, Loaded, PolicyPair, Task, Trajectory, Turn,
+                                   load_records, load_tasks, load_trajectories, write_jsonl)
 from sweet_jax.data.tokenizers import (LLAMA2_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE, LLAMA31_CHAT_TEMPLATE,
                                        TokenizerError, build_llama2_tokenizer, build_llama3_tokenizer, end_of_turn_ids,
                                        load_tokenizer, pad_id)

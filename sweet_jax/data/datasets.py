@@ -22,7 +22,7 @@ from sweet_jax.config_utils import TrainConfigError
 from sweet_jax.data import batching, render, schema
 from sweet_jax.data import pairs as pairs_lib
 from sweet_jax.data.demo import paths as demo_paths
-from sweet_jax.data.schema import Turn
+from sweet_jax.data.schema import PolicyPair, Turn
 
 
 @dataclasses.dataclass
@@ -161,19 +161,16 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
         raise TrainConfigError("config.data.pairs is empty: loss.kind=dpo trains on the pairs JSONL written by "
                                "`python -m sweet_jax.rank`; set --config.data.pairs=PATH (or use loss.kind=mtdpo/rft)")
     records = _read_jsonl(config.data.pairs, "ranked policy pairs", "data.pairs")
-    for n, r in enumerate(records, start=1):
-        missing = [k for k in ("prompt_text", "chosen", "rejected") if k not in r]
-        if missing and not pairs_lib.is_official_pair_row(r):
-            raise TrainConfigError(f"{config.data.pairs}:{n}: missing field(s) {missing}; the file must come from "
-                                   "`python -m sweet_jax.rank`, or be an official pairs file (chosen and rejected "
-                                   "strings)")
+    # Each line with its file:line: a PolicyPair record (sweet_jax.rank's output, checked field by field) or an
+    # official pairs row (whole templated chosen / rejected strings).
+    parsed = [_policy_pair_row(r, f"{config.data.pairs}:{n}") for n, r in enumerate(records, start=1)]
     keys = [str(r.get("task_key", r.get("trajectory_index", n))) for n, r in enumerate(records)]
     if config.data.get("eval_split", "tasks") == "first_rows":
         n_eval = first_rows(len(records), config.data.eval_fraction)
-        splits, eval_keys = (records, records[:n_eval]), set(keys[:n_eval])
+        splits, eval_keys = (parsed, parsed[:n_eval]), set(keys[:n_eval])
     else:
         eval_keys = split_by_task(keys, config.data.eval_fraction, config.train.seed)
-        splits = tuple([r for key, r in zip(keys, records) if (key in eval_keys) == held_out]
+        splits = tuple([r for key, r in zip(keys, parsed) if (key in eval_keys) == held_out]
                        for held_out in (False, True))
     stats = render.LengthStats()
     out = []
@@ -181,20 +178,30 @@ def _policy_pair_datasets(config, tokenizer, options, mine) -> tuple[Dataset, Da
         part = mine(len(listed))
         examples, ids = [], []
         for i in part:
-            r = listed[i]
-            if pairs_lib.has_sampled_ids(r):  # the sampled token ids, not their text tokenised again
-                seqs = pairs_lib.sampled_pair_sequences(tokenizer, r, where=f"{config.data.pairs} (pair {i})")
-            elif pairs_lib.is_official_pair_row(r):
-                seqs = pairs_lib.official_pair_sequences(tokenizer, r, where=config.data.pairs)
+            where, r = listed[i]
+            if not isinstance(r, PolicyPair):
+                seqs = pairs_lib.official_pair_sequences(tokenizer, r, where=where)
+            elif r.has_sampled_ids:  # the sampled token ids, not their text tokenised again
+                seqs = pairs_lib.sampled_pair_sequences(tokenizer, r, where=where)
             else:
-                seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", r[side], r["prompt_text"],
-                                                                        r[side]),), label="last")
-                             for side in ("chosen", "rejected"))
+                seqs = tuple(render.render_prerendered(tokenizer, (Turn("assistant", reply, r.prompt_text, reply),),
+                                                       label="last") for reply in (r.chosen, r.rejected))
             fitted = render.fit_all(seqs, options.max_len, overflow=options.overflow, stats=stats)
             if fitted is not None:
                 examples.append(fitted)
                 ids.append(i)
-        tasks = len({k for k in keys if (k in eval_keys) == held_out or (listed is records)})
+        tasks = len({k for k in keys if (k in eval_keys) == held_out or (listed is parsed)})
         out.append(Dataset(examples, ids, len(listed), tasks, 2))
     stats.log("policy pairs", options.max_len)
     return out[0], out[1]
+
+
+def _policy_pair_row(row: dict, where: str):
+    """(where, record): an official pairs row as it is, any other line as a checked PolicyPair."""
+    if pairs_lib.is_official_pair_row(row):
+        return where, row
+    try:
+        return where, PolicyPair.from_json(row, where=where)
+    except jsonl.DataError as e:
+        raise TrainConfigError(f"{e}; the file must come from `python -m sweet_jax.rank`, or be an official pairs "
+                               "file (chosen and rejected strings)") from None

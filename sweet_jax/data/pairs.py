@@ -168,7 +168,9 @@ def sft_examples(tokenizer, trajectories: Sequence[Trajectory], *, options: Rend
 # Policy pairs from ranked candidates.
 
 @dataclasses.dataclass(frozen=True)
-class PolicyPair:
+class PairPick:
+    """One pair policy_pairs picked from a group of scored candidates (the record written to JSONL is
+    data.schema.PolicyPair)."""
     group: int            # which turn prefix (index into candidates)
     chosen_index: int     # index of the chosen candidate within its group
     rejected_index: int
@@ -179,7 +181,7 @@ class PolicyPair:
 
 
 class PolicyPairs(list):
-    """A list of PolicyPair plus `skipped_groups`: groups with no pair (fewer than 2 candidates, or all tied)."""
+    """A list of PairPick plus `skipped_groups`: groups with no pair (fewer than 2 candidates, or all tied)."""
 
     def __init__(self, items=(), skipped_groups=()):
         super().__init__(items)
@@ -228,7 +230,7 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
             order = np.argsort(-sc, kind="stable")
             top, bottom = order[:half], order[n - half:]
             for i, j in zip(rng.choice(top, size=num_pairs), rng.choice(bottom, size=num_pairs)):
-                out.append(PolicyPair(g, int(i), int(j), cands[i], cands[j], float(sc[i]), float(sc[j])))
+                out.append(PairPick(g, int(i), int(j), cands[i], cands[j], float(sc[i]), float(sc[j])))
             continue
         tiebreak = rng.permutation(n)
         order = tiebreak[np.argsort(-sc[tiebreak], kind="stable")]
@@ -240,22 +242,14 @@ def policy_pairs(candidates: Sequence[Sequence[Any]], scores: Sequence[Sequence[
         picks = rng.choice(len(valid), size=min(num_pairs, len(valid)), replace=False)
         for p in picks:
             i, j = valid[int(p)]
-            out.append(PolicyPair(g, int(i), int(j), cands[i], cands[j], float(sc[i]), float(sc[j])))
+            out.append(PairPick(g, int(i), int(j), cands[i], cands[j], float(sc[i]), float(sc[j])))
     if skipped:
         log.info("policy_pairs: %d of %d groups gave no pair (too few candidates or all tied)", len(skipped),
                  len(candidates))
     return PolicyPairs(out, skipped)
 
 
-SAMPLED_ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
-
-
-def has_sampled_ids(row: dict) -> bool:
-    """A sweet_jax.rank row that carries the token ids the policy read and sampled."""
-    return all(isinstance(row.get(k), list) for k in SAMPLED_ID_FIELDS)
-
-
-def sampled_pair_sequences(tokenizer, row: dict, *, where: str = "") -> tuple[Rendered, Rendered]:
+def sampled_pair_sequences(tokenizer, pair, *, where: str = "") -> tuple[Rendered, Rendered]:
     """(chosen, rejected) from the ids the sampler produced: the prompt's ids (turn id 0), then the reply's
     sampled ids and its end-of-turn token (turn id 1; appended when the reply was cut by max_new_tokens).
     Nothing is tokenised again: decoding and re-encoding a sample need not give back the ids the policy
@@ -267,7 +261,7 @@ def sampled_pair_sequences(tokenizer, row: dict, *, where: str = "") -> tuple[Re
     vocab = len(tokenizer)
     out = []
     for side in ("chosen_ids", "rejected_ids"):
-        prompt, reply = list(row["prompt_ids"]), list(row[side])
+        prompt, reply = list(pair.prompt_ids), list(getattr(pair, side))
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt + reply):
             raise DataError(f"{side} / prompt_ids: token ids must be integers in [0, {vocab}) of this tokenizer",
                             where=where)

@@ -232,9 +232,14 @@ class PolicyPair:
     def key(self) -> tuple[int, int]:
         return (self.trajectory_index, self.turn)
 
+    @property
+    def has_sampled_ids(self) -> bool:
+        """The token ids the policy read and sampled are known: DPO trains on them, not on the texts."""
+        return all(getattr(self, name) is not None for name in self.IDS)
+
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        if self.chosen_ids is None or self.prompt_ids is None:
+        if not self.has_sampled_ids:
             for name in self.IDS:
                 del out[name]
         return out
