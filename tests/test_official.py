@@ -447,7 +447,7 @@ def test_official_plain_converts_only_real_numpy_and_known_types():
 
     from sweet_jax.sandbox import protocol
 
-    np = pytest.importorskip("numpy")
+    import numpy as np
     got = protocol.official_plain({"a": np.arange(3), "b": (np.float32(0.5), collections.Counter("aab"))},
                                   sys.modules)
     assert got == {"a": [0, 1, 2], "b": (0.5, {"a": 2, "b": 1})} and type(got["b"][1]) is dict

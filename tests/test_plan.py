@@ -1,11 +1,19 @@
-"""sweet_jax.plan: topology names, and a real AOT compile of a small critic step for a TPU slice."""
-import importlib.util
+"""sweet_jax.plan: topology names, and a real AOT compile of a small critic step for a TPU slice (libtpu: the
+test extras install it, `pip install -e '.[test]'` pulls `.[plan]`)."""
 import os
 
 import pytest
 
 from sweet_jax import plan
 from sweet_jax.config_utils import base_config
+
+
+def tiny_config():
+    """The tiny preset's critic config, for AOT compiles for a small TPU slice (libtpu loaded by each test)."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    c = base_config()
+    c.model.preset = "tiny"
+    return c
 
 
 @pytest.mark.parametrize("text, grid, chips, slice_name", [
@@ -24,11 +32,8 @@ def test_parse_topology_rejects_unknown_slices(bad):
         plan.parse_topology(bad)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
 def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    c = base_config()
-    c.model.preset = "tiny"
+    c = tiny_config()
     c.data.max_len = 512
     c.train.batch_size = 8
     c.train.micro_batch_size = 4
@@ -46,13 +51,10 @@ def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     assert "| v5e-4 (v5e:2x2) | critic | 512 |" in plan.report(result)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
 def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_state():
     # The 8B/70B layout (stacked layers under jax.lax.scan, residual stream split over 'tensor') holds the
     # same per-chip state as the per-layer model and still compiles for a TPU slice.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    c = base_config()
-    c.model.preset = "tiny"
+    c = tiny_config()
     c.model.remat = "full"
     c.data.max_len = 256
     c.train.batch_size = 4
@@ -71,12 +73,9 @@ def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_s
     assert scanned.layout.startswith("scan") and "SP" in scanned.layout and unrolled.layout.startswith("unrolled")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
 def test_batch_that_does_not_split_over_the_configured_mesh_gets_a_valid_mesh():
     # FSDP over the 4 chips of a v5e:2x2 cannot split a batch of 2 pairs: the plan compiles on (1, 2, 2) and says so.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    c = base_config()
-    c.model.preset = "tiny"
+    c = tiny_config()
     c.data.max_len = 128
     c.train.batch_size = 2
     c.mesh.shape = (1, -1, 1)
@@ -101,11 +100,8 @@ def test_out_of_memory_from_the_tpu_compiler_reads_as_does_not_fit():
     assert not refused.fits and "NO" in plan.report(refused) and "refused" in plan.report(refused)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu (jax[tpu]) is not installed")
 def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_hbm():
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    c = base_config()
-    c.model.preset = "tiny"
+    c = tiny_config()
     c.data.max_len = 128
     c.train.batch_size = 4
     c.mesh.shape = (1, 4, 1)
