@@ -96,6 +96,11 @@ def topology_devices(topology: Topology):
     """Abstract TPU devices of the slice (needs libtpu; no TPU attached)."""
     # Several processes on one host may load libtpu; we only compile, so its lock file is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM libtpu probes the metadata server and prints warnings and an INVALID_ARGUMENT error about
+    # the host; describing this host as one worker of the slice keeps the output to the plan.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.slice_name.replace("v5e-", "v5litepod-"))
     from jax.experimental import topologies
     kwargs = {"chip_config_name": "megacore"} if CHIPS[topology.chip]["cores_per_chip"] == 2 else {}
     try:
