@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweet_jax import jsonl
+
 log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device (per chip for TPUs; v4/v5p chips count as one device each).
@@ -134,10 +136,8 @@ def _to_float(v):
 
 
 def read_metrics(path) -> list[dict]:
-    path = pathlib.Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The metrics lines so far ([] before the first); a half-written last line of a killed run is left out."""
+    return jsonl.read(path, partial="drop")
 
 
 PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "grad_norm", "lr", "tokens_per_s", "mfu")
