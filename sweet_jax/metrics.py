@@ -162,8 +162,9 @@ def smoothed(ys, window: int) -> list[float]:
     return out
 
 
-def plot_curves(metrics_path, png_path, *, title: str = "") -> pathlib.Path:
-    """One PNG with a panel per metric: the train series (with a smoothed pair accuracy), eval points marked."""
+def plot_curves(metrics_path, png_path, *, title: str = "", loss_label: str = Y_LABELS["loss"]) -> pathlib.Path:
+    """One PNG with a panel per metric: the train series (with a smoothed pair accuracy), eval points marked.
+    `loss_label`: the loss axis's unit (pair losses are per pair, SFT / RFT's NLL is per action token)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,7 +191,7 @@ def plot_curves(metrics_path, png_path, *, title: str = "") -> pathlib.Path:
                         label=f"train (mean of last {window})")
         ax.set_title(key)
         ax.set_xlabel("step")
-        ax.set_ylabel(Y_LABELS.get(key, key), fontsize=8)
+        ax.set_ylabel(loss_label if key == "loss" else Y_LABELS.get(key, key), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(keys):]:

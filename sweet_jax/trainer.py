@@ -376,7 +376,9 @@ class Trainer:
             summary["mfu"] = float(np.median([h["mfu"] for h in timed]))
         if self.is_main:
             metrics_lib.plot_curves(self.logdir / "metrics.jsonl", self.logdir / "curves.png",
-                                    title=stage_title(self.config, self.workdir, self.step))
+                                    title=stage_title(self.config, self.workdir, self.step),
+                                    loss_label=("loss (NLL, nats per action token)" if self.kind in ("rft", "sft")
+                                                else "loss (nats per pair)"))
             summary["plot"] = str(self.workdir / "curves.png")
             (self.logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.sync_logs()
