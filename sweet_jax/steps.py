@@ -408,6 +408,12 @@ def _train_step(spec, optimizer, lr_schedule, micro_batch_size, mesh, opt_device
                 ref_params=None):
     grads, metrics = _grads_and_metrics(spec, state.graphdef, state.params, state.rest, batch, ref_params,
                                         micro_batch_size=micro_batch_size, mesh=mesh)
+    metrics = dict(metrics, num_tokens=jnp.sum(batch["attention_mask"].sum(axis=(1, 2)) * _weight(batch)))
+    return _apply_grads(optimizer, lr_schedule, opt_device_sh, state, grads, metrics)
+
+
+def _apply_grads(optimizer, lr_schedule, opt_device_sh, state: TrainState, grads, metrics):
+    """The optimiser update of the summed micro-batch gradients; the step's metrics (float32 scalars)."""
     opt_state = state.opt_state
     if opt_device_sh is not None:  # offloaded: to the device for the update; out_shardings put it back on the host
         opt_state = jax.device_put(opt_state, opt_device_sh)
@@ -417,10 +423,95 @@ def _train_step(spec, optimizer, lr_schedule, micro_batch_size, mesh, opt_device
     metrics["grad_norm"] = optax.tree.norm(grads)
     if lr_schedule is not None:
         metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    metrics["num_tokens"] = jnp.sum(batch["attention_mask"].sum(axis=(1, 2)) * _weight(batch))
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, metrics
+
+
+def _accumulate_grads(spec, graphdef, sums, params, rest, micro, ref_params, denom):
+    """sums + (gradients, metrics) of one micro-batch (the jitted body of HostLoopStep)."""
+    (_, metrics), grads = jax.value_and_grad(
+        lambda p: pair_loss(spec, graphdef, p, rest, micro, ref_params, denom), has_aux=True)(params)
+    return jax.tree.map(jnp.add, sums[0], grads), jax.tree.map(jnp.add, sums[1], metrics)
+
+
+class HostLoopStep:
+    """step(state, batch[, ref_params]) -> (state, metrics) on one CPU device: the micro-batches run one after
+    another from the host, each cut to the length of its own longest sequence (rounded up to a multiple of
+    `length_multiple`), instead of one program scanning micro-batches all padded to the batch's longest.
+
+    On a CPU host a real model's automatic micro-batches are small (one pair for SmolLM2-135M at 512 tokens,
+    auto_micro_batch_size), and the batch's T is the bucket of its longest sequence, so most micro-batches
+    would be mostly padding. Examples are grouped by length (a sum of gradients does not depend on the order);
+    each micro-batch shape compiles once (T / length_multiple lengths, x 2 with score positions). Loss, metrics
+    and gradients equal the one-program step's up to float32 summation order."""
+
+    def __init__(self, spec: LossSpec, optimizer, lr_schedule=None, *, micro_batch_size: int = 0,
+                 length_multiple: int = 128, score_positions: bool = True):
+        import functools
+        self.spec, self.micro_batch_size = spec, micro_batch_size
+        self.length_multiple, self.score_positions = length_multiple, score_positions
+        self._accumulate = jax.jit(functools.partial(_accumulate_grads, spec), static_argnums=0, donate_argnums=1)
+        self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, None), donate_argnums=0)
+        self._metric_zeros = None
+        self.last_micro_shapes: list[tuple[int, ...]] = []   # [mb, P, T] of the last call's micro-batches
+
+    def micro_batches(self, batch: dict, mb: int) -> list[dict]:
+        """The batch (host arrays, [B, P, T] per token) as micro-batches of mb examples of similar length, each
+        cut to its own length; score_pos recomputed for that length (collate's rule: T/2 positions if they hold
+        every sequence's action tokens)."""
+        import numpy as np
+        from sweet_jax.data import batching
+        mask = batch["attention_mask"]
+        B, P, T = mask.shape
+        lengths_B = mask.sum(axis=-1).max(axis=-1)
+        order = np.argsort(lengths_B, kind="stable")
+        per_token = [k for k, v in batch.items() if k != "score_pos" and v.ndim == 3 and v.shape[-1] == T]
+        out = []
+        for first in range(0, B, mb):
+            idx = order[first:first + mb]
+            # The window of L positions holding every token of these rows: [0, L) when right-padded, [T - L, T)
+            # when left-padded (positions come from the mask, so the cut shifts nothing); mixed sides: all of T.
+            real_T = np.flatnonzero(mask[idx].any(axis=(0, 1)))
+            lo, hi = (int(real_T[0]), int(real_T[-1]) + 1) if len(real_T) else (0, 1)
+            L = min(T, -(-(hi - lo) // self.length_multiple) * self.length_multiple)
+            start = min(lo, T - L)
+            cut = slice(start, start + L)
+            micro = {k: v[idx] for k, v in batch.items() if k != "score_pos" and k not in per_token}
+            micro.update({k: batch[k][idx][..., cut] for k in per_token})
+            if self.score_positions or "score_pos" in batch:
+                most = int((micro["turn_ids"] > 0).sum(axis=-1).max())
+                if most <= L // 2:
+                    micro["score_pos"] = batching.score_positions(micro["turn_ids"], L // 2)
+            out.append(micro)
+        return out
+
+    def __call__(self, state: TrainState, batch, ref_params=None):
+        import numpy as np
+        batch = {k: np.asarray(v) for k, v in batch.items()}
+        B = batch["input_ids"].shape[0]
+        mb = self.micro_batch_size or auto_micro_batch_size(state.model().config, batch["input_ids"].shape)
+        if B % mb:
+            raise StepConfigError(f"batch size {B} is not a multiple of train.micro_batch_size={mb}.")
+        denom = self.spec.denominator(batch)
+        micros = self.micro_batches(batch, mb)
+        if self._metric_zeros is None:
+            shapes = jax.eval_shape(lambda p: pair_loss(self.spec, state.graphdef, p, state.rest, micros[0],
+                                                        ref_params, denom)[1], state.params)
+            self._metric_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+        sums = (jax.tree.map(jnp.zeros_like, state.params), self._metric_zeros)
+        for micro in micros:
+            sums = self._accumulate(state.graphdef, sums, state.params, state.rest, micro, ref_params, denom)
+        self.last_micro_shapes = [micro["input_ids"].shape for micro in micros]
+        num_tokens = np.float32((batch["attention_mask"].sum(axis=(1, 2)) * _weight(batch)).sum())
+        return self._update(state, sums[0], dict(sums[1], num_tokens=num_tokens))
+
+
+def uses_host_loop(mesh) -> bool:
+    """Whether make_step runs micro-batches from the host (HostLoopStep): on a single CPU device."""
+    if mesh is None:
+        return jax.default_backend() == "cpu"
+    return mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
 
 
 def loss_spec(loss, *, chunk_size: int | None = None) -> LossSpec:
@@ -437,7 +528,8 @@ def loss_spec(loss, *, chunk_size: int | None = None) -> LossSpec:
 
 
 def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_batch_size: int = 0,
-              lr_schedule=None, ref_in_step: bool = False):
+              lr_schedule=None, ref_in_step: bool = False, host_loop: bool | None = None,
+              length_multiple: int = 128, score_positions: bool = True):
     """step(state, batch[, ref_params]) -> (state, metrics): one optimiser step on the LossSpec's loss.
 
     critic: Bradley-Terry over [B, 2, T] trajectory pairs (chosen first); dpo: step-level DPO on [B, 2, T]
@@ -447,8 +539,17 @@ def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_
     turn_ids, ref_logp [B, P, T] unless ref_in_step (then the reference params are the third argument),
     optional weight [B] and score_pos. `state` may be concrete or abstract (ShapeDtypeStructs): only its
     shardings are read. Metrics: the loss's (loss, accuracy, margin, ...), grad_norm, lr (with lr_schedule),
-    num_tokens."""
+    num_tokens.
+
+    host_loop (None: uses_host_loop(mesh), i.e. one CPU device): a HostLoopStep, whose micro-batches each run at
+    their own length (a multiple of length_multiple; score_positions as the trainer's loss.score_positions);
+    else one jitted program over the whole batch (what plan.py compiles for a TPU slice)."""
     import functools
+    if host_loop is None:
+        host_loop = uses_host_loop(mesh)
+    if host_loop:
+        return HostLoopStep(spec, optimizer, lr_schedule, micro_batch_size=micro_batch_size,
+                            length_multiple=length_multiple, score_positions=score_positions)
     if mesh is None:
         return jax.jit(functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, None),
                        donate_argnums=0)

@@ -205,7 +205,9 @@ class Trainer:
         self.spec = steps.loss_spec(config.loss)
         ref_in_step = config.train.ref_logp == "in_step"
         self.train_step = steps.make_step(self.spec, self.state, optimizer, mesh, lr_schedule=lr_schedule,
-                                          micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step)
+                                          micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step,
+                                          length_multiple=config.data.bucket,
+                                          score_positions=config.loss.score_positions)
         self.eval_step = steps.make_eval_step(self.spec, self.state, mesh, ref_in_step=ref_in_step)
 
     def attach_reference(self, train_set, eval_set):

@@ -21,8 +21,8 @@ def make_model(seed=0):
     return Llama(CFG, rngs=nnx.Rngs(seed))
 
 
-def pair_batch(B=8, T=24, P_=2, seed=0):
-    """Pairs with several uneven turns; even rows right-padded, odd rows left-padded."""
+def pair_batch(B=8, T=24, P_=2, seed=0, side="mixed"):
+    """Pairs with several uneven turns; side 'mixed': even rows right-padded, odd rows left-padded."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, CFG.vocab_size, (B, P_, T)).astype(np.int32)
     mask = np.zeros((B, P_, T), np.int32)
@@ -30,7 +30,8 @@ def pair_batch(B=8, T=24, P_=2, seed=0):
     for b in range(B):
         for p in range(P_):
             n = int(rng.integers(T // 2, T + 1))
-            start = 0 if b % 2 == 0 else T - n
+            left = side == "left" or (side == "mixed" and b % 2 == 1)
+            start = T - n if left else 0
             mask[b, p, start:start + n] = 1
             pos, k = start + 2, 1
             while pos < start + n - 1:
@@ -49,12 +50,14 @@ def loss_spec(kind, **fields):
     return steps.loss_spec(loss, chunk_size=8)
 
 
-def run_step(kind, mesh_shape, batch, *, optimizer=None, micro_batch_size=0, num_steps=1):
+def run_step(kind, mesh_shape, batch, *, optimizer=None, micro_batch_size=0, num_steps=1, host_loop=None,
+             length_multiple=128):
     optimizer = optimizer or optax.sgd(0.1)
     mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
     state = steps.create_train_state(make_model(), optimizer, mesh)
     step = steps.make_step(loss_spec(kind, beta=0.5, nll_coef=0.0 if kind == "critic" else 0.1), state, optimizer,
-                           mesh, micro_batch_size=micro_batch_size)
+                           mesh, micro_batch_size=micro_batch_size, host_loop=host_loop,
+                           length_multiple=length_multiple)
     for _ in range(num_steps):
         state, metrics = step(state, batch)
     return state, jax.device_get(metrics)
@@ -94,12 +97,13 @@ def test_sharded_step_equals_single_device(single_device_results, kind, mesh_sha
     assert embedding.addressable_shards[0].data.shape == (CFG.vocab_size // tensor, CFG.hidden_size // fsdp)
 
 
+@pytest.mark.parametrize("host_loop", [False, True])
 @pytest.mark.parametrize("kind", ["critic", "dpo", "rft"])
-def test_gradient_accumulation_equals_full_batch(kind):
+def test_gradient_accumulation_equals_full_batch(kind, host_loop):
     batch = pair_batch(P_=1 if kind == "rft" else 2, seed=1)
     batch["weight"] = np.array([1, 1, 1, 1, 1, 1, 0, 1], np.float32)  # a padding example is ignored in both
-    full_state, full = run_step(kind, None, batch)
-    micro_state, micro = run_step(kind, None, batch, micro_batch_size=2)
+    full_state, full = run_step(kind, None, batch, host_loop=False)
+    micro_state, micro = run_step(kind, None, batch, micro_batch_size=2, host_loop=host_loop)
     for name in full:
         np.testing.assert_allclose(micro[name], full[name], rtol=1e-5, atol=1e-6, err_msg=name)
     want = flat_params(full_state)
@@ -130,12 +134,35 @@ def test_automatic_micro_batches_equal_the_full_batch(monkeypatch):
     assert steps.auto_micro_batch_size(CFG, (8, 2, 24)) == 2
     optimizer = optax.sgd(0.1)
     state = steps.create_train_state(make_model(), optimizer)
-    step = steps.make_step(steps.LossSpec("critic", beta=0.5, chunk_size=8), state, optimizer)
+    step = steps.make_step(steps.LossSpec("critic", beta=0.5, chunk_size=8), state, optimizer, host_loop=False)
     assert "scan" in str(jax.make_jaxpr(step)(state, batch))
     auto_state, auto = step(state, batch)
     np.testing.assert_allclose(auto["loss"], full["loss"], rtol=1e-5)
     want = flat_params(full_state)
     for name, value in flat_params(auto_state).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("kind", ["critic", "dpo", "rft"])
+def test_host_loop_runs_each_micro_batch_at_its_own_length_with_the_same_step(kind, side):
+    """On one CPU device the micro-batches run from the host, grouped by length and each cut to its own
+    longest sequence (rounded up to length_multiple): the same loss, metrics and parameters as one program
+    over the batch padded to its longest."""
+    batch = pair_batch(P_=1 if kind == "rft" else 2, seed=4, side=side)
+    full_state, full = run_step(kind, None, batch, host_loop=False)
+    optimizer = optax.sgd(0.1)
+    state = steps.create_train_state(make_model(), optimizer)
+    step = steps.make_step(loss_spec(kind, beta=0.5, nll_coef=0.0 if kind == "critic" else 0.1), state, optimizer,
+                           micro_batch_size=1, length_multiple=8)
+    assert isinstance(step, steps.HostLoopStep)   # the default on one CPU device
+    state, metrics = step(state, batch)
+    lengths = [shape[-1] for shape in step.last_micro_shapes]
+    assert lengths == sorted(lengths) and min(lengths) < 24 and set(lengths) <= {16, 24}
+    for name in full:
+        np.testing.assert_allclose(metrics[name], full[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    want = flat_params(full_state)
+    for name, value in flat_params(state).items():
         np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
