@@ -232,7 +232,9 @@ def get_config(preset: str = "demo"):
         c.eval.batch_size = 96
         c.train.max_len = 512
         c.train.bucket = 128
-        c.model.remat = "full"        # 30 layers x 16 sequences of activations would not fit a small host
+        # No remat: the trainer's automatic micro-batches (1 pair here) keep a step at ~4.2 GiB peak RSS, and
+        # recomputing every layer cost 1.4x the step time (bench/bench_step_memory.py --remat full|none, 2-core CPU).
+        c.model.remat = "none"
         c.model.scan_layers = True    # 30 layers: compile one (each training stage compiles its step anew)
         c.model.attention_impl = "auto"   # blocked on CPU, recomputed in the backward: no [B, N, T, T] kept
         # KV cache: 46 KB per token slot per row for this model; 32 rows x (512 + 96) slots stay under 1 GB

@@ -303,6 +303,8 @@ def _policy_weights(text: str) -> dict[str, float]:
 
 
 INIT_FIELDS = ("init", "model", "tasks")   # what decides the starting policy (not the run seed)
+# ... except these: how the steps are laid out in memory (same values and gradients, other speed and memory).
+LAYOUT_FIELDS = ("model.remat", "model.scan_layers", "model.attention_impl")
 
 
 def reuse_init(run: Run, d: pathlib.Path) -> dict:
@@ -316,7 +318,7 @@ def reuse_init(run: Run, d: pathlib.Path) -> dict:
     theirs = json.loads((src / "pipeline_config.json").read_text())
     ours = json.loads(run.config.to_json_best_effort())
     differ = [f for key in INIT_FIELDS for f in _diff({key: theirs.get(key)}, {key: ours.get(key)})
-              if f != "init.from_run"]
+              if f != "init.from_run" and f not in LAYOUT_FIELDS]
     if differ:
         raise PipelineError(f"config.init.from_run={str(src)!r} was trained with other settings ({', '.join(differ)}); "
                             "use the same values or set init.from_run=''")

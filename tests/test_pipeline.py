@@ -204,6 +204,8 @@ def test_another_seed_reuses_the_starting_policy_of_a_finished_run(workdir, tmp_
     assert hf_params(tmp_path / "policy_hf").keys() == hf_params(workdir / "init/policy_hf").keys()
     assert all(np.array_equal(a, b) for a, b in zip(hf_params(tmp_path / "policy_hf").values(),
                                                     hf_params(workdir / "init/policy_hf").values()))
+    c.model.remat = "full"     # a memory layout of the same model: the same starting policy
+    assert pipeline.stage_init(pipeline.Run(c, tmp_path / "remat"), tmp_path / "remat")["reused_from"] == str(workdir)
     c.model.hidden_size = 64   # another starting policy: reusing would mix two comparisons
     with pytest.raises(pipeline.PipelineError, match="model.hidden_size"):
         pipeline.stage_init(pipeline.Run(c, tmp_path / "other"), tmp_path / "other")
