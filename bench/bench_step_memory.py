@@ -62,7 +62,9 @@ def main():
                  score_pos=batching.score_positions(turns, T // 2))
     loss = config_utils.base_config().loss  # the trainer's loss defaults
     loss.kind = a.step
-    step = steps.make_step(steps.loss_spec(loss), state, optimizer, micro_batch_size=a.micro)
+    # One program, for XLA's memory analysis; the trainer's host loop (steps.HostLoopStep) runs the same
+    # micro-batch programs one at a time, so its temps are one micro-batch's.
+    step = steps.make_step(steps.loss_spec(loss), state, optimizer, micro_batch_size=a.micro, host_loop=False)
     start = time.time()
     compiled = step.lower(state, batch).compile()
     mem = compiled.memory_analysis()

@@ -139,7 +139,9 @@ def prepare_jax(a, path, spec):
     micro = int(spec["micro"]) or steps.auto_micro_batch_size(model.config, (a.pairs, 2, a.seq))
     loss = config_utils.base_config().loss  # beta 0.1, no NLL term: the trainer's defaults
     loss.kind = a.step
-    step = steps.make_step(steps.loss_spec(loss, chunk_size=chunk), state, optimizer, micro_batch_size=micro)
+    # One program (its cost and memory analysis below): every sequence fills T, so the host loop would cut nothing.
+    step = steps.make_step(steps.loss_spec(loss, chunk_size=chunk), state, optimizer, micro_batch_size=micro,
+                           host_loop=False)
     batch = make_batch(a)
     if spec["score"] == "1":  # what BatchIterator(score_positions=True) adds: the action tokens fit in T // 2
         from sweet_jax.data import batching
