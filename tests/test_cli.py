@@ -223,3 +223,12 @@ def test_a_model_whose_vocabulary_is_smaller_than_its_tokenizer_is_refused_at_lo
     assert size > 64
     proc = command("sweet_jax.serve", "--model", str(model_dir), "--port", "0", cwd=tmp_path)
     assert_one_line_error(proc, "vocabulary of 64 tokens", f"has {size}")
+
+
+def test_command_lines_share_a_persistent_compilation_cache_unless_the_user_chose_one(tmp_path):
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    cli.compile_cache_environment(environ)
+    assert environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "sweet_jax" / "jax")
+    environ = {"JAX_COMPILATION_CACHE_DIR": ""}   # off
+    cli.compile_cache_environment(environ)
+    assert environ["JAX_COMPILATION_CACHE_DIR"] == ""
