@@ -3,6 +3,7 @@
     python bench/bench_step_memory.py --model HF_DIR                       # critic, 8 pairs x 2 x 512 tokens
     python bench/bench_step_memory.py --model HF_DIR --step dpo --seq 384  # the policy's DPO step
     python bench/bench_step_memory.py --model HF_DIR --micro 8 --attn xla --steps 0   # compile only, as before
+    python bench/bench_step_memory.py --model HF_DIR --scan --remat full --steps 2    # the smollm2 preset's layout
 
 The batch is the one bench_train_step.py builds (critic: 4 assistant turns of T/8 tokens; DPO: a reply of T/4
 tokens at the end; log-probs at the action tokens, score_pos, as the trainer runs). --micro 0 is the trainer's
@@ -30,6 +31,7 @@ def main():
     ap.add_argument("--micro", type=int, default=0, help="pairs per forward/backward; 0: automatic")
     ap.add_argument("--attn", default="auto", help="attention_impl")
     ap.add_argument("--remat", default="none")
+    ap.add_argument("--scan", action="store_true", help="stacked layers under jax.lax.scan (model.scan_layers)")
     ap.add_argument("--steps", type=int, default=1, help="steps to run after compiling (0: compile only)")
     a = ap.parse_args()
     from sweet_jax import host_malloc
@@ -43,7 +45,7 @@ def main():
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
-    model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat))
+    model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat, scan_layers=a.scan))
     config = model.config
     optimizer = steps.make_optimizer(1e-5, 100)
     state = steps.create_train_state(model, optimizer)

@@ -447,12 +447,19 @@ class HostLoopStep:
     and gradients equal the one-program step's up to float32 summation order."""
 
     def __init__(self, spec: LossSpec, optimizer, lr_schedule=None, *, micro_batch_size: int = 0,
-                 length_multiple: int = 128, score_positions: bool = True):
+                 length_multiple: int = 128, score_positions: bool = True, state: TrainState | None = None,
+                 mesh=None):
         import functools
         self.spec, self.micro_batch_size = spec, micro_batch_size
         self.length_multiple, self.score_positions = length_multiple, score_positions
         self._accumulate = jax.jit(functools.partial(_accumulate_grads, spec), static_argnums=0, donate_argnums=1)
-        self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, None), donate_argnums=0)
+        if mesh is None or state is None:
+            self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, None), donate_argnums=0)
+        else:  # the state keeps its shardings (and an offloaded optimiser state its host memory) across steps
+            state_sh = shardings_of(state)
+            opt_device_sh = _opt_device_shardings(state_sh)
+            self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, opt_device_sh),
+                                   out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
         self._metric_zeros = None
         self.last_micro_shapes: list[tuple[int, ...]] = []   # [mb, P, T] of the last call's micro-batches
 
@@ -507,6 +514,14 @@ class HostLoopStep:
         return self._update(state, sums[0], dict(sums[1], num_tokens=num_tokens))
 
 
+def _opt_device_shardings(state_sh: TrainState):
+    """Device-memory shardings for an optimiser state offloaded to host memory (None when it is not): the step
+    brings it over for the update and its out_shardings put it back."""
+    if not any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(state_sh.opt_state)):
+        return None
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), state_sh.opt_state)
+
+
 def uses_host_loop(mesh) -> bool:
     """Whether make_step runs micro-batches from the host (HostLoopStep): on a single CPU device."""
     if mesh is None:
@@ -549,13 +564,12 @@ def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_
         host_loop = uses_host_loop(mesh)
     if host_loop:
         return HostLoopStep(spec, optimizer, lr_schedule, micro_batch_size=micro_batch_size,
-                            length_multiple=length_multiple, score_positions=score_positions)
+                            length_multiple=length_multiple, score_positions=score_positions, state=state, mesh=mesh)
     if mesh is None:
         return jax.jit(functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, None),
                        donate_argnums=0)
     state_sh = shardings_of(state)
-    offloaded = any(s.memory_kind == HOST_MEMORY for s in jax.tree.leaves(state_sh.opt_state))
-    opt_device_sh = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sh.opt_state) if offloaded else None
+    opt_device_sh = _opt_device_shardings(state_sh)
     fn = functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, opt_device_sh)
     in_sh = (state_sh, batch_sharding(mesh)) + ((state_sh.params,) if ref_in_step and spec.needs_ref else ())
     out_sh = (state_sh, NamedSharding(mesh, PartitionSpec()))
