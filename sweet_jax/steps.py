@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
@@ -367,10 +368,6 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     micro_batch_size 0: on CPU auto_micro_batch_size for this batch's shape and the model, elsewhere the batch."""
     denom = spec.denominator(batch)
 
-    def loss_fn(p, micro):
-        return pair_loss(spec, graphdef, p, rest, micro, ref_params, denom)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     B = batch["input_ids"].shape[0]
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if micro_batch_size:
@@ -382,8 +379,7 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     else:
         mb = B
     if mb >= B:
-        (_, metrics), grads = grad_fn(params, batch)
-        return grads, metrics
+        return _micro_grads(spec, graphdef, params, rest, batch, ref_params, denom)
     if B % mb:
         raise StepConfigError(f"batch size {B} is not a multiple of train.micro_batch_size={mb}.")
     n = B // mb
@@ -391,16 +387,13 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     # every device then keeps its own examples in every micro-batch (no resharding).
     micro_batches = jax.tree.map(lambda x: x.reshape(mb, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
-    def body(carry, micro):
-        grads_sum, metrics_sum = carry
+    def body(sums, micro):
         micro = jax.tree.map(lambda x: _constrain(x, mesh, PartitionSpec(BATCH_AXES)), micro)
-        (_, metrics), grads = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, grads_sum, grads), jax.tree.map(jnp.add, metrics_sum, metrics)), None
+        return _accumulate_grads(spec, graphdef, sums, params, rest, micro, ref_params, denom), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
-    metric_shapes = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
-    init = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
-    (grads, metrics), _ = jax.lax.scan(body, init, micro_batches)
+    (grads, metrics), _ = jax.lax.scan(body, _zero_sums(spec, graphdef, params, rest, first, ref_params, denom),
+                                       micro_batches)
     return grads, metrics
 
 
@@ -428,11 +421,24 @@ def _apply_grads(optimizer, lr_schedule, opt_device_sh, state: TrainState, grads
     return new_state, metrics
 
 
-def _accumulate_grads(spec, graphdef, sums, params, rest, micro, ref_params, denom):
-    """sums + (gradients, metrics) of one micro-batch (the jitted body of HostLoopStep)."""
+def _micro_grads(spec, graphdef, params, rest, micro, ref_params, denom):
+    """(gradients, metrics) of one micro-batch; denom is the whole batch's, so micro-batches add up."""
     (_, metrics), grads = jax.value_and_grad(
         lambda p: pair_loss(spec, graphdef, p, rest, micro, ref_params, denom), has_aux=True)(params)
+    return grads, metrics
+
+
+def _accumulate_grads(spec, graphdef, sums, params, rest, micro, ref_params, denom):
+    """sums + (gradients, metrics) of one micro-batch: the scan body of the one-program step, HostLoopStep's
+    jitted call."""
+    grads, metrics = _micro_grads(spec, graphdef, params, rest, micro, ref_params, denom)
     return jax.tree.map(jnp.add, sums[0], grads), jax.tree.map(jnp.add, sums[1], metrics)
+
+
+def _zero_sums(spec, graphdef, params, rest, micro, ref_params, denom):
+    """Zero (gradients, metrics), the start of _accumulate_grads (the metrics' structure from one micro-batch)."""
+    metric_shapes = jax.eval_shape(lambda: _micro_grads(spec, graphdef, params, rest, micro, ref_params, denom)[1])
+    return jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
 
 
 class HostLoopStep:
@@ -461,13 +467,13 @@ class HostLoopStep:
             self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, opt_device_sh),
                                    out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
         self._metric_zeros = None
+        self._config = None   # the model's LlamaConfig (auto_micro_batch_size), read at the first call
         self.last_micro_shapes: list[tuple[int, ...]] = []   # [mb, P, T] of the last call's micro-batches
 
     def micro_batches(self, batch: dict, mb: int) -> list[dict]:
         """The batch (host arrays, [B, P, T] per token) as micro-batches of mb examples of similar length, each
         cut to its own length; score_pos recomputed for that length (collate's rule: T/2 positions if they hold
         every sequence's action tokens)."""
-        import numpy as np
         from sweet_jax.data import batching
         mask = batch["attention_mask"]
         B, P, T = mask.shape
@@ -494,18 +500,18 @@ class HostLoopStep:
         return out
 
     def __call__(self, state: TrainState, batch, ref_params=None):
-        import numpy as np
         batch = {k: np.asarray(v) for k, v in batch.items()}
         B = batch["input_ids"].shape[0]
-        mb = self.micro_batch_size or auto_micro_batch_size(state.model().config, batch["input_ids"].shape)
+        if self._config is None:
+            self._config = state.model().config
+        mb = self.micro_batch_size or auto_micro_batch_size(self._config, batch["input_ids"].shape)
         if B % mb:
             raise StepConfigError(f"batch size {B} is not a multiple of train.micro_batch_size={mb}.")
         denom = self.spec.denominator(batch)
         micros = self.micro_batches(batch, mb)
-        if self._metric_zeros is None:
-            shapes = jax.eval_shape(lambda p: pair_loss(self.spec, state.graphdef, p, state.rest, micros[0],
-                                                        ref_params, denom)[1], state.params)
-            self._metric_zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+        if self._metric_zeros is None:  # host arrays: each call's sums are donated to the first accumulation
+            zeros = _zero_sums(self.spec, state.graphdef, state.params, state.rest, micros[0], ref_params, denom)[1]
+            self._metric_zeros = jax.tree.map(np.asarray, zeros)
         sums = (jax.tree.map(jnp.zeros_like, state.params), self._metric_zeros)
         for micro in micros:
             sums = self._accumulate(state.graphdef, sums, state.params, state.rest, micro, ref_params, denom)
