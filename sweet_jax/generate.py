@@ -350,6 +350,7 @@ class Sampler:
         self.tokenizer = tokenizer
         # HF fast tokenizers are not safe to call from several threads at once (the server does).
         self._tokenizer_lock = threading.RLock()
+        self._token_texts: dict[int, str] = {}   # token id -> its text decoded alone (token_texts)
         self.mesh = mesh
         if mesh is not None:
             from sweet_jax import sharding
@@ -488,10 +489,18 @@ class Sampler:
                                 "build the Sampler with a tokenizer.")
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token decoded on its own (the `tokens` of OpenAI log-prob responses)."""
+        """Each token decoded on its own (the `tokens` of OpenAI log-prob responses). A token's text alone does
+        not depend on its neighbours, so each id is decoded once and kept (the server answers every request's
+        N x max_tokens tokens with these)."""
         tok = self._need_tokenizer("token texts")
-        with self._tokenizer_lock:
-            return [tok.decode([int(t)]) for t in token_ids]
+        ids = [int(t) for t in token_ids]
+        cache = self._token_texts
+        missing = set(ids).difference(cache)
+        if missing:
+            with self._tokenizer_lock:
+                for t in missing:
+                    cache[t] = tok.decode([t])
+        return [cache[t] for t in ids]
 
     def generate_requests(self, requests: Sequence[Request], *, progress: bool = False) -> list[list[Sample]]:
         """Sample every request with its own settings; batches of <= max_batch_size sample rows."""

@@ -213,9 +213,19 @@ class OpenAISampler:
         self._seeds = np.random.default_rng(seed)
         self.requests_sent = 0
         self.retries = 0
+        self._environment = self._environment_settings()
         self.model_name = model or self._first_model()
 
     # -- HTTP --------------------------------------------------------------------------------------------
+
+    def _environment_settings(self) -> dict:
+        """Each endpoint's proxies, CA bundle and client certificate from the environment (HTTP(S)_PROXY,
+        NO_PROXY, REQUESTS_CA_BUNDLE, ...), read once: requests reads the whole environment on every request
+        otherwise, which was the largest client-side cost per request on a fast engine."""
+        import requests
+
+        with requests.Session() as session:
+            return {url: session.merge_environment_settings(url, {}, None, None, None) for url in self.base_urls}
 
     def _session(self):
         import requests
@@ -223,6 +233,7 @@ class OpenAISampler:
         session = getattr(self._local, "session", None)
         if session is None:  # one pooled keep-alive session per thread (a Session is not thread-safe)
             session = self._local.session = requests.Session()
+            session.trust_env = False  # the environment's settings come from self._environment (read once)
             session.headers["Authorization"] = f"Bearer {self.api_key}"
             adapter = requests.adapters.HTTPAdapter(pool_connections=len(self.base_urls),
                                                     pool_maxsize=4)
@@ -236,7 +247,7 @@ class OpenAISampler:
         errors = []
         for url in self.base_urls:
             try:
-                r = self._session().get(f"{url}/models", timeout=30)
+                r = self._session().get(f"{url}/models", timeout=30, **self._environment[url])
                 r.raise_for_status()
                 models = [m["id"] for m in r.json().get("data", [])]
                 if models:
@@ -257,7 +268,8 @@ class OpenAISampler:
             url = self.base_urls[(index + attempt) % len(self.base_urls)]
             self.requests_sent += 1
             try:
-                r = self._session().post(f"{url}/completions", json=body, timeout=self.timeout_s)
+                r = self._session().post(f"{url}/completions", json=body, timeout=self.timeout_s,
+                                         **self._environment[url])
             except (requests.ConnectionError, requests.Timeout) as e:
                 last = f"{url}: {type(e).__name__}: {e}"
             else:
@@ -338,7 +350,7 @@ class OpenAISampler:
                 if tokens is None or logprobs is None:
                     raise PolicyBackendError("the policy engine returned no logprobs.tokens / token_logprobs for a "
                                              "request with logprobs=1")
-                ids = [self._token_id(t) for t in tokens]
+                ids = self._token_ids(tokens)
                 finish = choice.get("finish_reason") or "length"
                 out.append(Sample(self._text(ids, finish), ids, [float(x) for x in logprobs], finish,
                                   prompt_token_ids=prompt_ids))
@@ -350,10 +362,16 @@ class OpenAISampler:
         return out
 
     @staticmethod
-    def _token_id(token: str) -> int:
-        if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
-            return int(token[len(TOKEN_ID_PREFIX):])
-        raise PolicyBackendError(f"the policy engine returned the token {token!r}, not {TOKEN_ID_PREFIX}N: it "
+    def _token_ids(tokens: list) -> list[int]:
+        n = len(TOKEN_ID_PREFIX)
+        try:
+            if all(t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+                return [int(t[n:]) for t in tokens]
+        except (AttributeError, ValueError):
+            pass
+        bad = next((t for t in tokens if not (isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX)
+                                               and t[n:].isdigit())), tokens)
+        raise PolicyBackendError(f"the policy engine returned the token {bad!r}, not {TOKEN_ID_PREFIX}N: it "
                                  "ignores return_tokens_as_token_ids; start vLLM with --return-tokens-as-token-ids")
 
     def _text(self, ids: list[int], finish_reason: str) -> str:

@@ -173,6 +173,23 @@ def test_an_engine_without_token_ids_is_refused_with_what_to_do(in_process):
         server.server_close()
 
 
+def test_proxies_from_the_environment_still_apply(engine, in_process, monkeypatch):
+    """The environment's proxy settings are read once per endpoint (not on every request) and still used: a
+    dead HTTP proxy fails the request unless NO_PROXY names the engine's host."""
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    dead = f"http://127.0.0.1:{policy_backend.free_port()}"
+    monkeypatch.setenv("HTTP_PROXY", dead)
+    monkeypatch.setenv("http_proxy", dead)
+    proxied = policy_backend.OpenAISampler([engine.url], in_process.tokenizer, model="policy", max_retries=0)
+    with pytest.raises(policy_backend.PolicyBackendError, match="ProxyError"):
+        proxied.generate([[1, 2]], max_new_tokens=1)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    direct = policy_backend.OpenAISampler([engine.url], in_process.tokenizer, model="policy", max_retries=0)
+    assert len(direct.generate([[1, 2]], max_new_tokens=2, temperature=0.0)[0][0].token_ids) >= 1
+
+
 def load_config(name: str, preset: str = "demo"):
     import importlib.util
     import pathlib

@@ -92,6 +92,12 @@ def test_completions_logprobs_are_the_samplers(client, server):
     np.testing.assert_allclose(choice.logprobs.token_logprobs, expected.logprobs, rtol=1e-6)
     assert choice.logprobs.text_offset[0] == 0
     assert r.usage.completion_tokens == len(expected.token_ids)
+    # token texts are decoded once per id and kept: a second request's (many ids seen before) are still right
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=4,
+                                      logprobs=1, n=3, extra_body={"return_token_ids": True})
+    for c in again.choices:
+        assert c.logprobs.tokens == [sampler.tokenizer.decode([t]) for t in c.token_ids]
+        assert c.logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in c.logprobs.tokens[:-1]]))
 
 
 def test_concurrent_requests_are_batched(client, server):
