@@ -220,17 +220,21 @@ class ReplyScorer:
 # Ranking and pairs
 # ----------------------------------------------------------------------------------------------------------
 
-def candidate_advantages(prompt: TurnPrompt, candidates: Candidates, critic_logp: Callable, reference_logp,
-                         rank_reference: str) -> np.ndarray:
-    items = [(prompt, t) for t in candidates.texts]
+def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Candidates], critic_logp: Callable,
+                         reference_logp, rank_reference: str) -> list[np.ndarray]:
+    """Each prompt's candidate scores (critic minus reference mean log-prob). The candidates of all the prompts
+    go to each scorer in one call, so its fixed-size batches are filled across prompts (8 candidates of one
+    prompt would fill half of a 16-row batch) and sorted by length over all of them."""
+    items = [(prompt, t) for prompt, cands in zip(prompts, candidates, strict=True) for t in cands.texts]
     critic = np.asarray(critic_logp(items), np.float64)
     if rank_reference == "ref_with_info":
         reference = np.asarray(reference_logp(items), np.float64)
     elif rank_reference == "sampler":
-        reference = np.asarray(candidates.sampler_logp, np.float64)
+        reference = np.concatenate([np.asarray(c.sampler_logp, np.float64) for c in candidates])
     else:
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
-    return critic - reference
+    bounds = np.cumsum([len(c.texts) for c in candidates])[:-1]
+    return np.split(critic - reference, bounds)
 
 
 def turn_pairs(prompt: TurnPrompt, candidates: Candidates, scores: np.ndarray, *, num_pairs: int, seed: int,
@@ -284,8 +288,9 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
     for start in range(0, len(todo), prompts_per_batch):
         batch = todo[start:start + prompts_per_batch]
         records = []
-        for prompt, candidates in zip(batch, sample_fn(batch)):
-            scores = candidate_advantages(prompt, candidates, critic_logp, reference_logp, rank_reference)
+        sampled = sample_fn(batch)
+        advantages = candidate_advantages(batch, sampled, critic_logp, reference_logp, rank_reference)
+        for prompt, candidates, scores in zip(batch, sampled, advantages, strict=True):
             pairs = turn_pairs(prompt, candidates, scores, num_pairs=num_pairs, seed=seed,
                                rank_reference=rank_reference, pairing=pairing)
             gaps += [r.chosen_score - r.rejected_score for r in pairs]

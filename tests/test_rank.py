@@ -91,6 +91,28 @@ def test_pairs_are_seeded_and_a_rerun_skips_ranked_turns(tmp_path):
     assert a.read_text() == b.read_text()
 
 
+def test_each_scorer_gets_every_candidate_of_a_batch_in_one_call(tmp_path):
+    """The critic and the reference score a batch's candidates together (their fixed-size batches fill across
+    prompts), and each prompt still gets its own candidates' scores: the pairs equal one-prompt batches'."""
+    prompts = ranking.turn_prompts([trajectory(["q1?", "q2?", "ans"]), trajectory(["ans"])])
+    calls = []
+
+    def counted(fn):
+        def score(items):
+            calls.append([(p.key, t) for p, t in items])
+            return fn(items)
+        return score
+
+    kw = dict(rank_reference="ref_with_info", num_pairs=3, seed=5, progress=False)
+    together, alone = tmp_path / "together.jsonl", tmp_path / "alone.jsonl"
+    ranking.rank_turns(prompts, stub_sample_fn, counted(critic_logp), counted(reference_logp), together,
+                       prompts_per_batch=4, **kw)
+    assert len(calls) == 2 and all(len(c) == 4 * len(CRITIC) for c in calls)
+    assert calls[0] == [(p.key, t) for p in prompts for t in CRITIC]
+    ranking.rank_turns(prompts, stub_sample_fn, critic_logp, reference_logp, alone, prompts_per_batch=1, **kw)
+    assert together.read_text() == alone.read_text()
+
+
 def test_unscorable_candidates_take_no_part_in_pairs(tmp_path):
     prompts = ranking.turn_prompts([trajectory(["ans"])])
     out = tmp_path / "pairs.jsonl"
