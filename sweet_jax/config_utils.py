@@ -154,7 +154,9 @@ def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | 
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
                 scan_layers=bool(m.scan_layers),
-                residual_sharding=residual_sharding(sequence_parallel=True) if m.sequence_parallel else None)
+                # The residual stream's batch over ('data', 'fsdp') always: unconstrained, XLA may follow the
+                # FSDP-sharded embedding instead (the whole batch on every chip, the hidden size split).
+                residual_sharding=residual_sharding(sequence_parallel=bool(m.sequence_parallel)))
 
 
 def lora_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -353,6 +353,10 @@ def main(argv):
     from absl import flags
     del argv
     FLAGS = flags.FLAGS
+    import jax
+    # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
+    # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
+    jax.config.update("jax_enable_compilation_cache", False)
     topology = parse_topology(FLAGS.topology)
     plan = extrapolated_plan(FLAGS.config, topology) if FLAGS.estimate else make_plan(FLAGS.config, topology)
     print(report(plan))
