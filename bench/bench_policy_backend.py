@@ -20,7 +20,8 @@ Every sample-row bucket a burst can end in (n x 1, 2, 4, ... prompts) is compile
 requests that reaches the engine in two parts ends each part with a partial batch, a shape the in-process call
 never makes, and its first compile would otherwise land in a timed call. Each side is then run once more and
 timed `repeats` times (median). Candidates/s = prompts x n / seconds; the overhead is 1 - (openai
-candidates/s) / (in_process candidates/s). "bursts": how the engine received the requests (request counts per sampler call; warm-up call included).
+candidates/s) / (in_process candidates/s). "bursts": how the engine received the requests (request counts per
+sampler call, the warm-up call included).
 """
 from __future__ import annotations
 

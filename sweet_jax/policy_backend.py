@@ -363,16 +363,18 @@ class OpenAISampler:
 
     @staticmethod
     def _token_ids(tokens: list) -> list[int]:
-        n = len(TOKEN_ID_PREFIX)
-        try:
-            if all(t.startswith(TOKEN_ID_PREFIX) for t in tokens):
-                return [int(t[n:]) for t in tokens]
-        except (AttributeError, ValueError):
-            pass
-        bad = next((t for t in tokens if not (isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX)
-                                               and t[n:].isdigit())), tokens)
-        raise PolicyBackendError(f"the policy engine returned the token {bad!r}, not {TOKEN_ID_PREFIX}N: it "
-                                 "ignores return_tokens_as_token_ids; start vLLM with --return-tokens-as-token-ids")
+        n, ids = len(TOKEN_ID_PREFIX), []
+        for token in tokens:
+            try:
+                if token.startswith(TOKEN_ID_PREFIX):
+                    ids.append(int(token[n:]))
+                    continue
+            except (AttributeError, ValueError):
+                pass
+            raise PolicyBackendError(f"the policy engine returned the token {token!r}, not {TOKEN_ID_PREFIX}N: it "
+                                     "ignores return_tokens_as_token_ids; start vLLM with "
+                                     "--return-tokens-as-token-ids")
+        return ids
 
     def _text(self, ids: list[int], finish_reason: str) -> str:
         """The reply's text as generate.Sampler decodes it: without the stop token that ended it."""
