@@ -1,6 +1,7 @@
 r"""Will this training step fit on that TPU slice? Compile it ahead of time and read the per-chip memory.
 
     python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16
+    python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology local   # this host's GPU(s)
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.data.max_len=16384 --topology v5p-8
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.model.preset=llama3_70b \
         --config.data.max_len=16384 --topology v5p-64 --config.mesh.shape='(1,8,4)' \
@@ -11,6 +12,8 @@ one layer compiled, so 8B/70B compile in minutes; XLA then keeps more float32 co
 sequence_parallel (the residual stream between layers split over 'tensor' along tokens), attention_chunk_size.
 
 No TPU needed: `jax.experimental.topologies` describes the slice and libtpu compiles for it on this host.
+`--topology local` compiles for the devices attached to this host instead (e.g. one GPU under jax[cuda]) and
+compares with the memory XLA may use on each (its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of the card).
 The story: config -> model shapes -> topology -> mesh -> sharded abstract state and batch -> lower ->
 compile -> memory / FLOPs report. Exit status 1 when the step does not fit the chip's HBM, 2 on bad input.
 """
@@ -26,6 +29,7 @@ import sys
 from sweet_jax.errors import SweetJaxError
 
 GiB = 1024 ** 3
+LOCAL = "local"   # --topology local: compile for the devices attached to this host (e.g. a GPU)
 # Per-chip HBM and how a slice name counts chips (v4 / v5p names count TensorCores, 2 per chip).
 CHIPS = {
     "v4": dict(hbm=32 * GiB, cores_per_chip=2, dims=3),
@@ -44,12 +48,14 @@ class PlanError(SweetJaxError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    chip: str     # 'v4' | 'v5e' | 'v5p' | 'v6e'
-    shape: str    # chip grid, e.g. '4x4' or '2x2x1'
+    chip: str     # 'v4' | 'v5e' | 'v5p' | 'v6e', or LOCAL: the devices attached to this host
+    shape: str    # chip grid, e.g. '4x4' or '2x2x1'; for LOCAL the device count
+    device_kind: str = ""   # LOCAL: e.g. 'NVIDIA H100 80GB HBM3'
+    local_bytes: int = 0    # LOCAL: the memory XLA may use on each device
 
     @property
     def name(self) -> str:
-        return f"{self.chip}:{self.shape}"
+        return f"{self.device_kind} x{self.shape}" if self.chip == LOCAL else f"{self.chip}:{self.shape}"
 
     @property
     def num_chips(self) -> int:
@@ -60,16 +66,20 @@ class Topology:
 
     @property
     def slice_name(self) -> str:
+        if self.chip == LOCAL:
+            return f"{self.shape}x {self.device_kind}"
         return f"{self.chip}-{self.num_chips * CHIPS[self.chip]['cores_per_chip']}"
 
     @property
     def hbm_bytes(self) -> int:
-        return CHIPS[self.chip]["hbm"]
+        return self.local_bytes if self.chip == LOCAL else CHIPS[self.chip]["hbm"]
 
 
 def parse_topology(text: str) -> Topology:
-    """'v5e-16' (a Cloud TPU slice name) or 'v5e:4x4' (the chip grid) -> Topology."""
+    """'v5e-16' (a Cloud TPU slice name), 'v5e:4x4' (the chip grid) or 'local' (this host's devices) -> Topology."""
     text = text.strip().lower()
+    if text == LOCAL:
+        return local_topology()
     m = re.fullmatch(r"(v4|v5e|v5p|v6e|v5litepod)[-:](.+)", text)
     if not m:
         raise PlanError(f"--topology={text!r}: expected e.g. v5e-16, v4-8, v5p-8, v6e-8 or v5e:4x4, v4:2x2x1 "
@@ -92,8 +102,20 @@ def parse_topology(text: str) -> Topology:
     return Topology(chip, table[chips])
 
 
+def local_topology() -> Topology:
+    """The devices JAX sees on this host, with the memory XLA may use on each (the host's RAM on a CPU)."""
+    import jax
+    devices = jax.local_devices()
+    stats = devices[0].memory_stats() or {}
+    limit = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Topology(LOCAL, str(len(devices)), device_kind=devices[0].device_kind, local_bytes=int(limit))
+
+
 def topology_devices(topology: Topology):
-    """Abstract TPU devices of the slice (needs libtpu; no TPU attached)."""
+    """Abstract TPU devices of the slice (needs libtpu; no TPU attached), or this host's devices for LOCAL."""
+    if topology.chip == LOCAL:
+        import jax
+        return jax.local_devices()
     # Several processes on one host may load libtpu; we only compile, so its lock file is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Off a TPU VM libtpu probes the metadata server and prints warnings and an INVALID_ARGUMENT error about
@@ -114,13 +136,14 @@ def topology_devices(topology: Topology):
 # From the config
 
 
-def llama_config(config):
+def llama_config(config, *, for_tpu: bool = True):
     """The LlamaConfig the run would train: model.path's config.json if there, else model.preset."""
     from sweet_jax.models import LlamaConfig
     # The compile targets a TPU from a CPU host, where "auto" would resolve for the CPU: resolve it for the TPU
-    # here (chunked past 2048 tokens, as the model does on a TPU); cuDNN is GPU only.
+    # here (chunked past 2048 tokens, as the model does on a TPU); cuDNN is GPU only. For this host's own
+    # devices (LOCAL) the model resolves it as it will when training.
     impl = config.model.attention_impl
-    if impl in ("auto", "cudnn", "blocked"):
+    if for_tpu and impl in ("auto", "cudnn", "blocked"):
         impl = "chunked" if config.data.max_len > 2048 else "xla"
     from sweet_jax.config_utils import model_overrides
     overrides = model_overrides(config, attention_impl=impl)
@@ -203,7 +226,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
 
     # Shapes
     kind = step_kind(config)
-    mcfg = llama_config(config)
+    mcfg = llama_config(config, for_tpu=topology.chip != LOCAL)
     if num_layers is not None:
         mcfg = dataclasses.replace(mcfg, num_layers=num_layers)
     B, T = int(config.train.batch_size), int(config.data.max_len)
@@ -237,8 +260,10 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         batch["ref_logp"] = sds((B, P, T), jnp.float32)
 
     # Lower and compile
+    from sweet_jax.models.attention import resolve_attention_impl
+    attention = resolve_attention_impl(mcfg, T)
     step = steps.make_step(steps.loss_spec(config.loss), state, optimizer, mesh, micro_batch_size=micro,
-                           ref_in_step=ref_in_step, lr_schedule=lr_schedule)
+                           ref_in_step=ref_in_step, lr_schedule=lr_schedule, host_loop=False)
     args = (state, batch) + ((state.params,) if ref_in_step and kind != "rft" else ())
     if verbose:
         print(f"compiling the {kind} step of a {mcfg.num_params() / 1e9:.2f}B-parameter Llama, batch {B}x{P}x{T}"
@@ -250,8 +275,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                 mesh_note=why, num_params=mcfg.num_params(), argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
                 code_bytes=0, flops=0.0,
                 model_flops=mcfg.flops_per_token(T) * B * P * T / mesh.devices.size,
-                layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), mcfg.attention_impl
-                                  + (f" {mcfg.attention_chunk_size}" if mcfg.attention_impl == "chunked" else "")]
+                layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), attention
+                                  + (f" {mcfg.attention_chunk_size}" if attention == "chunked" else "")]
                                  + (["SP"] if config.model.get("sequence_parallel", False) else [])
                                  + ([f"LoRA r{lora.rank}"] if lora.enabled else [])
                                  + (["bf16 moments"] if config.optim.get("moments_dtype") == "bfloat16" else [])
@@ -368,7 +393,8 @@ def define_flags():
     from ml_collections import config_flags
     config_flags.DEFINE_config_file("config", None, "a training config with preset: configs/critic.py:llama3_8b",
                                     lock_config=True)
-    flags.DEFINE_string("topology", None, "TPU slice: v5e-16, v4-8, v5p-8, v6e-8, or a grid like v5e:4x4")
+    flags.DEFINE_string("topology", None, "TPU slice: v5e-16, v4-8, v5p-8, v6e-8, or a grid like v5e:4x4; or "
+                        "'local': the devices attached to this host (e.g. a GPU)")
     flags.DEFINE_bool("estimate", False, "compile 2- and 4-layer versions and extrapolate linearly to the real "
                       "depth (fast; the default compiles the full model)")
     flags.mark_flags_as_required(["config", "topology"])
@@ -376,8 +402,10 @@ def define_flags():
 
 if __name__ == "__main__":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    # Compile only: keep JAX's own backend on the host CPU even where a TPU is attached to this machine.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Compile only: keep JAX's own backend on the host CPU even where a TPU is attached to this machine, unless
+    # the plan is for this host's own devices.
+    if not any(a in ("--topology=local", "local") for a in sys.argv[1:]):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from sweet_jax import cli
     cli.run(main, define_flags=define_flags, allocator=False,
             help_configs=("configs/critic.py:llama3_8b", "configs/policy.py:llama3_8b"))

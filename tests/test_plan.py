@@ -142,3 +142,29 @@ def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_
     assert 0.9 * 8 * n / 4 <= f32.argument_bytes - low.argument_bytes <= 8 * n
     assert 0.9 * 4 * n / 4 <= low.host_bytes <= 4 * n
     assert "bf16 moments, opt state on host" in low.layout and "host" in plan.report(low)
+
+
+def test_local_topology_compiles_for_this_hosts_devices_with_their_memory():
+    # --topology local: the devices JAX sees (8 fake CPU devices in the tests, a GPU under jax[cuda]); the same
+    # step and state as for a TPU slice of as many chips, compiled for the real backend.
+    c = tiny_config()
+    c.data.max_len = 256
+    c.train.batch_size = 8
+    c.mesh.shape = (1, -1, 1)
+    local = plan.parse_topology("local")
+    import jax
+    assert local.num_chips == jax.local_device_count() and local.hbm_bytes > 0
+    result = plan.make_plan(c, local, verbose=False)
+    tpu = plan.make_plan(c, plan.parse_topology(f"v5e:{ {1: '1x1', 4: '2x2', 8: '2x4'}[local.num_chips] }"),
+                         verbose=False)
+    assert result.mesh_shape == tpu.mesh_shape
+    # Arguments are the sharded float32 parameters and Adam moments plus the batch (the TPU's tiled layouts pad
+    # small arrays, the CPU's do not).
+    from sweet_jax.models import LlamaConfig
+    state_bytes = 3 * 4 * LlamaConfig.preset("tiny").num_params()
+    batch_bytes = 4 * 8 * 2 * 256 * 4 + 8 * 4
+    assert state_bytes / local.num_chips <= result.argument_bytes <= state_bytes + batch_bytes
+    assert result.argument_bytes <= tpu.argument_bytes
+    assert result.temp_bytes > 0 and result.fits
+    assert f"| {local.num_chips}x {local.device_kind} ({local.device_kind} x{local.num_chips}) | critic | 256 |" \
+        in plan.report(result)
