@@ -303,3 +303,38 @@ def test_swiglu_backward_equals_autodiff_of_the_plain_formula():
         for name, g1, g2 in zip(("x", "gate", "up", "down"), got, want):
             scale = float(np.max(np.abs(g2)))
             np.testing.assert_allclose(np.asarray(g1, np.float64), np.asarray(g2), atol=tol * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("padding", [None, "right", "left"])
+def test_fused_causal_attention_with_key_lengths_matches_the_dense_mask(padding):
+    # The cuDNN path's logic (causal flag + per-row key lengths for right padding, the dense mask otherwise)
+    # through the same jax.nn.dot_product_attention call on XLA: equal values and gradients on real rows; an
+    # all-padding row stays finite.
+    from sweet_jax.models.attention import causal_mask, fused_causal_attention
+    rng = np.random.default_rng(0)
+    Bq, T, N, K, H = 3, 12, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((Bq, T, n, H)), jnp.float32) for n in (N, K, K))
+    lengths = np.array([12, 7, 0])
+    valid = np.arange(T)[None] < lengths[:, None]
+    if padding == "left":
+        valid = valid[:, ::-1]
+    key_valid = None if padding is None else jnp.asarray(valid)
+
+    def dense(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=causal_mask(T, T, key_valid), implementation="xla")
+
+    def fused(q, k, v):
+        return fused_causal_attention(q, k, v, key_valid, implementation="xla")
+
+    real = np.ones((Bq, T), bool) if padding is None else valid
+    weights = jnp.asarray(rng.standard_normal((Bq, T, N, H)), jnp.float32) * real[..., None, None]
+    out, grads = jax.value_and_grad(lambda *a: jnp.sum(fused(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    ref, ref_grads = jax.value_and_grad(lambda *a: jnp.sum(dense(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(fused(q, k, v))[real], np.asarray(dense(q, k, v))[real], rtol=1e-5,
+                               atol=1e-6)
+    for g, rg in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(fused(q, k, v))).all()
+    jaxpr = str(jax.make_jaxpr(fused)(q, k, v))
+    assert ("cond" in jaxpr) == (padding is not None)

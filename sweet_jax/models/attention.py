@@ -7,7 +7,7 @@ Self-attention (training, scoring, a sampler's prefill), chosen per call by `res
   "xla"      jax.nn.dot_product_attention's XLA path: materialises float32 [B, N, T, S] logits.
   "chunked"  the same per block of queries under jax.checkpoint: one block's logits alive (TPU, long T).
   "blocked"  query blocks unrolled, each attending only keys before its end: skips the masked upper triangle.
-  "cudnn"    GPU fused attention (16-bit compute only).
+  "cudnn"    GPU fused attention (16-bit compute only), causal flag + key lengths for right padding.
 Cached decoding (few queries over a long cache): `cached_attention`, over the heads-major cache below.
 Fully masked (padding) query rows differ between implementations; real rows agree.
 """
@@ -169,11 +169,27 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, config) -> jax.Array:
         # activations at T = 512) for ~3% more step FLOPs; without differentiation nothing changes.
         return jax.checkpoint(functools.partial(blocked_causal_attention, block_size=config.attention_block_size))(
             q_BTNH, k_BTKH, v_BTKH, key_valid_BT)
-    if impl == "cudnn" and key_valid_BT is None:
-        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation="cudnn")
+    if impl == "cudnn":
+        return fused_causal_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, implementation="cudnn")
     # A padding query row may see no key at all; XLA's attention then averages uniformly (finite).
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=causal_mask(T, T, key_valid_BT),
                                         implementation=impl)
+
+
+def fused_causal_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, *, implementation: str) -> jax.Array:
+    """jax.nn.dot_product_attention with its causal flag, so a fused kernel (cuDNN) skips the masked half. Key
+    padding on the right (every training batch) goes in as per-row key lengths; any other padding (a sampler's
+    left-padded prompts) falls back to the dense [B, 1, T, T] mask, chosen at run time."""
+    attend = functools.partial(jax.nn.dot_product_attention, q_BTNH, k_BTKH, v_BTKH, implementation=implementation)
+    if key_valid_BT is None:
+        return attend(is_causal=True)
+    T = key_valid_BT.shape[1]
+    lengths_B = jnp.sum(key_valid_BT, axis=1, dtype=jnp.int32)
+    right_padded = jnp.all(key_valid_BT == (jnp.arange(T)[None, :] < lengths_B[:, None]))
+    # An all-padding row keeps one key: its output is garbage either way (see the module note), never NaN.
+    return jax.lax.cond(right_padded,
+                        lambda: attend(is_causal=True, key_value_seq_lengths=jnp.maximum(lengths_B, 1)),
+                        lambda: attend(mask=causal_mask(T, T, key_valid_BT)))
 
 
 def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: dict, cache_pos, mask_B1TS, config):
