@@ -14,6 +14,9 @@ HF checkpoint and its own tokenizer and chat template.
                n samples each), to sweet_jax.serve's OpenAIApp over the *same* Sampler object (same compiled
                programs) on 127.0.0.1, which hands a burst of concurrent requests to the sampler as one call,
                batched there into the same 64-row batches.
+  --engine process: the server is instead its own process, `python -m sweet_jax.serve --model DIR` started
+               and stopped by policy_backend.Engine, as the pipeline runs an engine: client and server no longer
+               share one Python interpreter (its lock), as they never do in a deployment.
 
 Both sides draw the same candidates (request j carries the in-process seed of prompt j); the script checks it.
 Every sample-row bucket a burst can end in (n x 1, 2, 4, ... prompts) is compiled first: a burst of concurrent
@@ -57,6 +60,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--model", default="", help="an HF checkpoint directory (default: the tiny random model)")
+    parser.add_argument("--engine", choices=("thread", "process"), default="thread",
+                        help="the server on a thread of this process over the same Sampler, or its own process")
     args = parser.parse_args()
 
     from sweet_jax import policy_backend, ranking, rundir
@@ -70,11 +75,23 @@ def main() -> None:
     eos, context = policy_backend.hf_eos_ids(model_dir)
     prompts = turn_prompts(args.prompts)
     kw = dict(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0, seed=7)
-    server = start_server(sampler, model_name="bench", max_batch_size=64)
+    if args.engine == "thread":
+        server = start_server(sampler, model_name="bench", max_batch_size=64)
+        url, burst_log = server.url, server.app.engine.batch_sizes
+    else:
+        server = policy_backend.Engine("{python} -m sweet_jax.serve --model {hf_dir} --port {port} "
+                                       "--max-batch-size 64 --served-model-name bench", model_dir).start()
+        url, burst_log = server.url, None
+
+    def remote_sampler(concurrency: int):
+        return policy_backend.OpenAISampler([url], sampler.tokenizer, model="bench", eos_token_ids=eos,
+                                            max_position_embeddings=context, concurrency=concurrency)
 
     k = 1
-    while k < args.prompts:  # the partial batches' row buckets (see the docstring)
+    while k < args.prompts:  # the partial batches' row buckets (see the docstring), on both sides
         ranking.sample_candidates(sampler, prompts[:k], **kw)
+        if args.engine == "process":
+            ranking.sample_candidates(remote_sampler(k), prompts[:k], **kw)
         k *= 2
 
     def timed(fn):
@@ -91,19 +108,18 @@ def main() -> None:
     base = args.prompts * args.n / seconds
     rows.append({"backend": "in_process", "concurrency": None, "seconds": seconds, "candidates_per_s": base})
     for c in [int(x) for x in args.concurrency.split(",")]:
-        remote = policy_backend.OpenAISampler([server.url], sampler.tokenizer, model="bench", eos_token_ids=eos,
-                                              max_position_embeddings=context, concurrency=c)
-        before = len(server.app.engine.batch_sizes)
+        remote = remote_sampler(c)
+        before = len(burst_log) if burst_log is not None else 0
         seconds, got = timed(lambda: ranking.sample_candidates(remote, prompts, **kw))
-        bursts = server.app.engine.batch_sizes[before:]
+        bursts = burst_log[before:] if burst_log is not None else None
         same = sum(g.token_ids == w.token_ids for g, w in zip(got, want)) / len(want)
         rows.append({"backend": "openai", "concurrency": c, "seconds": seconds,
                      "candidates_per_s": args.prompts * args.n / seconds,
                      "overhead_pct": 100.0 * (1 - args.prompts * args.n / seconds / base),
                      "same_candidates_pct": 100.0 * same, "bursts": bursts})
-    server.close()
+    server.close() if args.engine == "thread" else server.stop()
     print(f"{args.model or 'tiny random model'}: {args.prompts} prompts x {args.n} candidates x {args.new_tokens} "
-          f"tokens, load {os.getloadavg()[0]:.1f}")
+          f"tokens, server on a {args.engine}, load {os.getloadavg()[0]:.1f}")
     print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}")
     for r in rows:
         over = f"{r['overhead_pct']:.1f}%" if "overhead_pct" in r else "-"
