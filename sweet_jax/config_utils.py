@@ -79,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.clip = 1.0                # global gradient-norm clip
     c.optim.moments_dtype = "float32"  # float32 | bfloat16: Adam's two moments stored in bf16 (half the state)
     c.optim.offload_state = False     # optimiser state in host memory between steps (TPU/GPU memory kinds)
+    c.optim.layerwise_update = False  # scan_layers: the optimiser update one stacked layer at a time (less memory)
 
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft

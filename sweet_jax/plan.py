@@ -280,7 +280,8 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                                  + (["SP"] if config.model.get("sequence_parallel", False) else [])
                                  + ([f"LoRA r{lora.rank}"] if lora.enabled else [])
                                  + (["bf16 moments"] if config.optim.get("moments_dtype") == "bfloat16" else [])
-                                 + (["opt state on host"] if config.optim.get("offload_state") else [])))
+                                 + (["opt state on host"] if config.optim.get("offload_state") else [])
+                                 + (["layerwise update"] if config.optim.get("layerwise_update") else [])))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses programs that exceed HBM
