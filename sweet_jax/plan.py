@@ -405,7 +405,7 @@ if __name__ == "__main__":
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Compile only: keep JAX's own backend on the host CPU even where a TPU is attached to this machine, unless
     # the plan is for this host's own devices.
-    if not any(a in ("--topology=local", "local") for a in sys.argv[1:]):
+    if not any(a.lower() in ("--topology=local", "local") for a in sys.argv[1:]):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from sweet_jax import cli
     cli.run(main, define_flags=define_flags, allocator=False,

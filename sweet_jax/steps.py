@@ -476,17 +476,12 @@ def layerwise_update(optimizer: LayerwiseOptimizer, grads, opt_state, params, op
     # Offloaded stacked matrices travel a layer at a time; stacked vectors (norm scales: [L, D]) come over whole
     # (a few KiB a layer, and the TPU compiler cannot slice one row of a packed bf16 host array).
     streamed = jax.tree.map(lambda x, kind: offloaded and kind == "stacked" and x.ndim >= 3, inner_state, kinds)
-    if offloaded:
-        inner_state = jax.tree.map(lambda x, kind, sh, st: jax.device_put(x, sh)
-                                   if kind == "stacked" and not st and sh is not None else x,
-                                   inner_state, kinds, device_sh, streamed)
+    if offloaded:  # every leaf but the streamed ones comes to the device whole
+        inner_state = jax.tree.map(lambda x, sh, st: x if st or sh is None else jax.device_put(x, sh),
+                                   inner_state, device_sh, streamed)
 
     # The other parameters, at once.
-    def rest_leaf(x, kind, sh):
-        if kind == "stacked":
-            return empty(x)
-        return jax.device_put(x, sh) if offloaded and sh is not None else x
-    rest_state = jax.tree.map(rest_leaf, inner_state, kinds, device_sh)
+    rest_state = jax.tree.map(lambda x, kind: empty(x) if kind == "stacked" else x, inner_state, kinds)
     not_stacked = lambda tree: jax.tree.map(lambda x, m: empty(x) if m else x, tree, mask)  # noqa: E731
     rest_updates, rest_state = optimizer.inner.update(not_stacked(grads), rest_state, not_stacked(params))
     rest_params = optax.apply_updates(not_stacked(params), rest_updates)
