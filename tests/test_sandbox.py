@@ -394,6 +394,19 @@ def test_a_worker_that_dies_gives_infra_error_never_a_pass():
         assert ev.score(ADD_TASK, GOOD_ANSWER).reward == 1.0  # a fresh worker took over
 
 
+def test_a_stalled_worker_is_replaced_and_the_job_runs_again():
+    """A worker that stops answering (stopped here; starved of CPU on a loaded machine in practice) misses its
+    deadline; the job runs once more on a fresh worker instead of failing the caller with infra_error."""
+    with Evaluator(workers=1, timeout_s=TIMEOUT_S) as ev:
+        assert ev.score(ADD_TASK, GOOD_ANSWER).reward == 1.0  # references cached, workers started
+        ev._deadline = lambda calls: 2.0
+        stalled = ev._answers.all[0].process.pid
+        os.killpg(stalled, signal.SIGSTOP)
+        score = ev.score(ADD_TASK, GOOD_ANSWER)
+        assert (score.status, score.reward) == ("ok", 1.0), score
+        assert [w.process.pid for w in ev._answers.all] != [stalled]
+
+
 def test_missing_isolation_fails_loudly_or_runs_labelled_degraded():
     with pytest.raises(SandboxUnavailableError, match="degraded_ok=True"):
         Evaluator(workers=1, _isolated_mode="unavailable")

@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import queue
 import select
@@ -56,6 +57,8 @@ import warnings
 from sweet_jax.data.schema import task_field
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox import protocol
+
+log = logging.getLogger(__name__)
 
 _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 MAX_CODE_CHARS = 1_000_000
@@ -160,6 +163,9 @@ def sweet_rl_code(answer):
 
 # ----------------------------------------------------------------------------------------------
 # Workers (the trainer side of sandbox/_worker.py)
+
+
+_STALLED = "worker did not answer in time"
 
 
 class _WorkerFailed(Exception):
@@ -315,7 +321,7 @@ class _Worker:
         while n:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not poller.poll(remaining * 1000):
-                raise _WorkerFailed("worker did not answer in time")
+                raise _WorkerFailed(_STALLED)
             chunk = os.read(fd, min(n, 1 << 20))
             if not chunk:
                 raise _WorkerFailed("worker died (pipe closed)")
@@ -565,9 +571,20 @@ class Evaluator:
         with self._cache_lock:
             return self._references.get(key)
 
+    def _run(self, pool, code, calls):
+        """One job on a pool's worker. A worker that stopped answering (its deadline passed: the zygote's own
+        per-case limit did not end the job, so the worker stalled, e.g. starved of CPU on a loaded machine) has
+        been replaced by then; the job runs once more on the fresh one before it counts as infra_error."""
+        request, deadline = self._request(code, calls), self._deadline(calls)
+        response, failure = pool.run(request, deadline)
+        if response is None and failure == _STALLED:
+            log.warning("sandbox worker stalled past its %.0f s deadline; running the job again on a fresh "
+                        "worker", deadline)
+            response, failure = pool.run(request, deadline)
+        return response, failure
+
     def _reference(self, job):
-        response, failure = self._reference_pool.run(
-            self._request(job["reference_code"], job["calls"]), self._deadline(job["calls"]))
+        response, failure = self._run(self._reference_pool, job["reference_code"], job["calls"])
         if response is None:
             return {"infra": failure}
         cases = [_decode_case(case) for case in _response_cases(response, len(job["calls"]))]
@@ -579,8 +596,7 @@ class Evaluator:
         return reference
 
     def _run_answer(self, job):
-        response, failure = self._answers.run(self._request(job["code"], job["calls"]),
-                                              self._deadline(job["calls"]))
+        response, failure = self._run(self._answers, job["code"], job["calls"])
         if response is None:
             return {"infra": failure}
         return {"infra": None, "cases": [_decode_case(case) for case in
