@@ -40,7 +40,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -502,8 +502,12 @@ class Sampler:
                     cache[t] = tok.decode([t])
         return [cache[t] for t in ids]
 
-    def generate_requests(self, requests: Sequence[Request], *, progress: bool = False) -> list[list[Sample]]:
-        """Sample every request with its own settings; batches of <= max_batch_size sample rows."""
+    def generate_requests(self, requests: Sequence[Request], *, progress: bool = False,
+                          on_batch: Callable[[list[int], list[list[Sample]]], None] | None = None
+                          ) -> list[list[Sample]]:
+        """Sample every request with its own settings; batches of <= max_batch_size sample rows.
+        `on_batch(indices, samples)` is called as each compiled batch finishes (a server answers those
+        requests while the next batch runs)."""
         for r in requests:
             self.check_request(r)
         results: list[list[Sample] | None] = [None] * len(requests)
@@ -523,8 +527,11 @@ class Sampler:
             from tqdm import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="prompt")
         for group in groups:
-            for i, samples in zip(group, self._generate_batch([requests[i] for i in group])):
+            batch = self._generate_batch([requests[i] for i in group])
+            for i, samples in zip(group, batch):
                 results[i] = samples
+            if on_batch is not None:
+                on_batch(group, batch)
             if bar is not None:
                 bar.update(len(group))
         if bar is not None:

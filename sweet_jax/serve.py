@@ -21,7 +21,8 @@ this server does not serve), and queued; an engine thread takes the first queued
 `batch_window_s` for more, and again after each arrival (a client's burst: up to `max_wait_s` in all and
 `max_call_rows` sample rows, 8 x `max_batch_size` by default), runs one `Sampler.generate_requests` over all of
 them (it sorts them by prompt length into compiled batches of `max_batch_size` rows, as an in-process call
-does), and hands each request its samples. Two engine lanes: requests of more than
+does), and answers each request as soon as its compiled batch finishes (the first requests' answers are
+sent and read while the later batches run). Two engine lanes: requests of more than
 `long_request_rows` sample rows x new tokens run in their own lane, so a long request does not hold short ones
 for its whole length. A batch that fails is re-run request by request: only the failing request gets the error.
 
@@ -138,18 +139,25 @@ class BatchingEngine:
             self._generate(batch)
 
     def _generate(self, batch: list) -> None:
+        def answer(indices, samples):  # each compiled batch's requests are answered while the next one runs
+            for i, s in zip(indices, samples):
+                batch[i][1].set_result(s)
+
         try:
-            results = self.sampler.generate_requests([r for r, _ in batch])
+            results = self.sampler.generate_requests([r for r, _ in batch], on_batch=answer)
         except Exception as e:
-            if len(batch) > 1:  # find the request that fails; the others get their samples
-                for item in batch:
+            pending = [item for item in batch if not item[1].done()]
+            if len(pending) > 1:  # find the request that fails; the others get their samples
+                for item in pending:
                     self._generate([item])
                 return
             log.exception("generate failed")
-            batch[0][1].set_exception(e)
+            for _, future in pending:
+                future.set_exception(e)
             return
         for (_, future), samples in zip(batch, results):
-            future.set_result(samples)
+            if not future.done():
+                future.set_result(samples)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -401,6 +409,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     server_version = "sweet_jax"
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes: with Nagle's algorithm the body waits for the client's delayed ACK
+    # of the headers (40 ms a response on Linux).
+    disable_nagle_algorithm = True
     app: OpenAIApp  # set on the subclass made by OpenAIServer
     timeout = 30.0  # socket timeout: a read that stalls this long, or an idle keep-alive, closes the connection
     max_body_bytes = MAX_BODY_BYTES

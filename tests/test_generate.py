@@ -296,3 +296,16 @@ def test_heads_major_cache_prefill_then_decode_matches_full_forward(hf_dir):
     cached = np.concatenate(pieces, axis=1)
     valid = mask.astype(bool)
     np.testing.assert_allclose(cached[valid], full[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_requests_hands_each_compiled_batch_over_as_it_finishes(hf_dir, tokenizer):
+    """on_batch gets every request once, batch by batch (<= max_batch_size sample rows each), with the samples the
+    call returns: what the server answers early with."""
+    sampler = Sampler(load_hf(hf_dir), tokenizer, max_batch_size=4)
+    requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=1.0, n=2, seed=i, ignore_eos=True))
+                for i, p in enumerate(random_prompts([9, 5, 7], seed=3))]
+    batches = []
+    results = sampler.generate_requests(requests, on_batch=lambda idx, samples: batches.append((idx, samples)))
+    assert [idx for idx, _ in batches] == [[1, 2], [0]]  # sorted by prompt length, 2 requests x n=2 rows a batch
+    for idx, samples in batches:
+        assert [[s.token_ids for s in results[i]] for i in idx] == [[s.token_ids for s in g] for g in samples]

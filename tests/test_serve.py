@@ -241,7 +241,7 @@ def test_a_burst_goes_to_the_sampler_in_one_call_up_to_max_call_rows():
         def __init__(self):
             self.calls = []
 
-        def generate_requests(self, requests):
+        def generate_requests(self, requests, on_batch=None):
             self.calls.append([r.prompt_ids[0] for r in requests])
             return [[f"samples of {r.prompt_ids}"] for r in requests]
 
@@ -259,10 +259,35 @@ def test_a_burst_goes_to_the_sampler_in_one_call_up_to_max_call_rows():
             engine.close()
 
 
+def test_requests_are_answered_as_their_compiled_batch_finishes():
+    """A burst runs as one sampler call of several compiled batches; the first batch's requests get their answers
+    while a later batch is still running (the client reads them meanwhile)."""
+    first_done, release = threading.Event(), threading.Event()
+
+    class TwoBatches:
+        def generate_requests(self, requests, on_batch=None):
+            on_batch([0, 1], [[f"samples of {r.prompt_ids}"] for r in requests[:2]])
+            first_done.set()
+            assert release.wait(30)
+            on_batch([2], [[f"samples of {requests[2].prompt_ids}"]])
+            return [[f"samples of {r.prompt_ids}"] for r in requests]
+
+    engine = BatchingEngine(TwoBatches(), batch_window_s=0.3)
+    try:
+        futures = [engine.submit(Request(ids, SamplingParams(max_new_tokens=2))) for ids in ([1], [2], [3])]
+        assert first_done.wait(30)
+        assert futures[0].result(timeout=1) == ["samples of [1]"] and futures[1].result(timeout=1) == ["samples of [2]"]
+        assert not futures[2].done()
+        release.set()
+        assert futures[2].result(timeout=30) == ["samples of [3]"]
+    finally:
+        engine.close()
+
+
 def test_a_batch_that_fails_is_rerun_request_by_request():
     """Whatever slips past validation and fails inside the sampler fails only its own request."""
     class FlakySampler:
-        def generate_requests(self, requests):
+        def generate_requests(self, requests, on_batch=None):
             if any(r.prompt_ids == [666] for r in requests):
                 raise RuntimeError("boom")
             return [[f"samples of {r.prompt_ids}"] for r in requests]
