@@ -209,9 +209,9 @@ class OpenAISampler:
         self.api_key, self.concurrency = api_key, max(1, int(concurrency))
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.engine = timeout_s, engine
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
-        self._pools: dict = {}  # endpoint -> urllib3 pool manager
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._managers: dict = {}  # endpoint -> urllib3 pool manager
         self._seeds = np.random.default_rng(seed)
         self.requests_sent = 0
         self.retries = 0
@@ -234,9 +234,9 @@ class OpenAISampler:
         wraps): requests' per-request preparation was ~40% of the client's CPU per request on a fast engine."""
         import urllib3
 
-        with self._pool_lock:
-            pool = self._pools.get(url)
-            if pool is None:
+        with self._lock:
+            manager = self._managers.get(url)
+            if manager is None:
                 env = self._environment[url]
                 verify, cert = env.get("verify", True), env.get("cert")
                 kw = dict(num_pools=4, maxsize=self.concurrency, retries=False,
@@ -252,27 +252,27 @@ class OpenAISampler:
                         cert_file, key_file = (cert, None) if isinstance(cert, str) else cert
                         kw.update(cert_file=cert_file, key_file=key_file)
                 proxy = (env.get("proxies") or {}).get(url.split("://", 1)[0])
-                pool = self._pools[url] = (urllib3.ProxyManager(proxy, **kw) if proxy
-                                           else urllib3.PoolManager(**kw))
-            return pool
+                manager = self._managers[url] = (urllib3.ProxyManager(proxy, **kw) if proxy
+                                                 else urllib3.PoolManager(**kw))
+            return manager
 
     def _workers(self) -> concurrent.futures.ThreadPoolExecutor:
         """The request threads, kept across generate calls (a rollout calls generate once a turn), so a call does
         not start `concurrency` threads again. Shared by concurrent generate calls, so `concurrency` bounds the
         requests in flight."""
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency,
-                                                                   thread_name_prefix="sweet_jax-openai")
-            return self._pool
+        with self._lock:
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency,
+                                                                      thread_name_prefix="sweet_jax-openai")
+            return self._threads
 
     def close(self) -> None:
         """Stop the request threads and close the connections; generate starts them again."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-            managers, self._pools = list(self._pools.values()), {}
-        if pool is not None:
-            pool.shutdown(wait=True)
+        with self._lock:
+            threads, self._threads = self._threads, None
+            managers, self._managers = list(self._managers.values()), {}
+        if threads is not None:
+            threads.shutdown(wait=True)
         for manager in managers:
             manager.clear()
 
@@ -468,10 +468,15 @@ def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
                         startup_timeout_s=openai.startup_timeout_s, log_path=engine_log)
         engine.start()
         urls = [engine.url]
+    sampler = None
     try:
-        yield OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos, max_position_embeddings=context,
-                            api_key=openai.api_key, concurrency=openai.concurrency, max_retries=openai.max_retries,
-                            backoff_s=openai.backoff_s, timeout_s=openai.timeout_s, engine=engine, seed=seed)
+        sampler = OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos,
+                                max_position_embeddings=context, api_key=openai.api_key,
+                                concurrency=openai.concurrency, max_retries=openai.max_retries,
+                                backoff_s=openai.backoff_s, timeout_s=openai.timeout_s, engine=engine, seed=seed)
+        yield sampler
     finally:
+        if sampler is not None:
+            sampler.close()
         if engine is not None:
             engine.stop()
