@@ -230,7 +230,7 @@ class OpenAISampler:
 
     def _connections(self, url: str):
         """The endpoint's urllib3 connection pool (thread-safe, keep-alive, `concurrency` connections), through
-        its proxy if the environment names one. Completion requests go straight through urllib3 (what requests
+        its proxy if the environment names one. Requests go straight through urllib3 (what requests
         wraps): requests' per-request preparation was ~40% of the client's CPU per request on a fast engine."""
         import urllib3
 
@@ -277,21 +277,20 @@ class OpenAISampler:
             manager.clear()
 
     def _first_model(self) -> str:
-        import requests
+        import urllib3
 
         errors = []
         for url in self.base_urls:
             try:
-                with requests.Session() as session:
-                    session.trust_env = False  # the environment's settings come from self._environment
-                    r = session.get(f"{url}/models", timeout=30, headers={"Authorization": f"Bearer {self.api_key}"},
-                                    **self._environment[url])
-                r.raise_for_status()
-                models = [m["id"] for m in r.json().get("data", [])]
+                r = self._connections(url).request("GET", f"{url}/models", timeout=30.0)
+                if r.status != 200:
+                    errors.append(f"{url}: HTTP {r.status}: {r.data[:200].decode('utf-8', 'replace')}")
+                    continue
+                models = [m["id"] for m in json.loads(r.data).get("data", [])]
                 if models:
                     return models[0]
                 errors.append(f"{url}: no model listed")
-            except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError) as e:
                 errors.append(f"{url}: {type(e).__name__}: {e}")
         raise PolicyBackendError(f"policy.openai.model is '' and GET /models answered no model name "
                                  f"({'; '.join(errors)}); set policy.openai.model to the served model name")
