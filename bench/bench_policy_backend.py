@@ -21,20 +21,25 @@ HF checkpoint and its own tokenizer and chat template.
 Both sides draw the same candidates (request j carries the in-process seed of prompt j); the script checks it.
 Every sample-row bucket a burst can end in (n x 1, 2, 4, ... prompts) is compiled first: a burst of concurrent
 requests that reaches the engine in two parts ends each part with a partial batch, a shape the in-process call
-never makes, and its first compile would otherwise land in a timed call. Each side is then run once more and
-timed `repeats` times (median). Candidates/s = prompts x n / seconds; the overhead is 1 - (openai
-candidates/s) / (in_process candidates/s). "bursts": how the engine received the requests (request counts per
-sampler call, the warm-up call included).
+never makes, and its first compile would otherwise land in a timed call. Each side is then run once more, and
+`repeats` times timed, interleaved: a repeat times the in-process call and then each concurrency back to back.
+Candidates/s = prompts x n / the median seconds; the overhead is the median over the repeats of each repeat's
+1 - (openai candidates/s) / (in_process candidates/s). "CPU s": median CPU seconds of a call, this process's
+plus, with --engine process, the engine's ("engine", read from Linux /proc). "bursts" (server on a thread): how the engine received
+the requests (request counts per sampler call, the warm-up calls included).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_serve import build_model  # noqa: E402  (the same tiny HF model; this script's folder is on sys.path)
@@ -52,12 +57,24 @@ def turn_prompts(count: int):
     return ranking.turn_prompts(rows)
 
 
+def cpu_seconds(server) -> tuple[float, float]:
+    """CPU seconds used so far by this process, and by the engine when it is its own process (else 0)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    engine = 0.0
+    process = getattr(server, "process", None)
+    if process is not None:
+        with open(f"/proc/{process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        engine = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return usage.ru_utime + usage.ru_stime, engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--model", default="", help="an HF checkpoint directory (default: the tiny random model)")
     parser.add_argument("--engine", choices=("thread", "process"), default="thread",
@@ -94,38 +111,48 @@ def main() -> None:
             ranking.sample_candidates(remote_sampler(k), prompts[:k], **kw)
         k *= 2
 
-    def timed(fn):
-        fn()  # compile every shape
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times), out
-
-    rows = []
-    seconds, want = timed(lambda: ranking.sample_candidates(sampler, prompts, **kw))
+    # Interleaved: each repeat times the in-process call and then each concurrency back to back, and the overhead
+    # is the median of the repeats' own ratios, so a slow spell of a shared host falls on both sides of a ratio.
+    remotes = {c: remote_sampler(c) for c in [int(x) for x in args.concurrency.split(",")]}
+    calls = {None: lambda: ranking.sample_candidates(sampler, prompts, **kw)}
+    calls.update({c: (lambda r=r: ranking.sample_candidates(r, prompts, **kw)) for c, r in remotes.items()})
+    before = len(burst_log) if burst_log is not None else 0
+    outs = {c: fn() for c, fn in calls.items()}  # compile every shape
+    times, cpu = {c: [] for c in calls}, {c: [] for c in calls}
+    for _ in range(args.repeats):
+        for c, fn in calls.items():
+            cpu0, start = cpu_seconds(server), time.perf_counter()
+            outs[c] = fn()
+            times[c].append(time.perf_counter() - start)
+            cpu[c].append(np.subtract(cpu_seconds(server), cpu0))
+    bursts = burst_log[before:] if burst_log is not None else None
+    want = outs[None]
+    seconds = statistics.median(times[None])
     base = args.prompts * args.n / seconds
-    rows.append({"backend": "in_process", "concurrency": None, "seconds": seconds, "candidates_per_s": base})
-    for c in [int(x) for x in args.concurrency.split(",")]:
-        remote = remote_sampler(c)
-        before = len(burst_log) if burst_log is not None else 0
-        seconds, got = timed(lambda: ranking.sample_candidates(remote, prompts, **kw))
-        bursts = burst_log[before:] if burst_log is not None else None
-        same = sum(g.token_ids == w.token_ids for g, w in zip(got, want)) / len(want)
-        rows.append({"backend": "openai", "concurrency": c, "seconds": seconds,
-                     "candidates_per_s": args.prompts * args.n / seconds,
-                     "overhead_pct": 100.0 * (1 - args.prompts * args.n / seconds / base),
-                     "same_candidates_pct": 100.0 * same, "bursts": bursts})
+    def cpu_row(samples):  # median CPU seconds of a call: both processes, and the engine's part
+        own, engine = np.median(np.array(samples), axis=0)
+        return {"cpu_s": float(own + engine), "engine_cpu_s": float(engine)}
+
+    rows = [{"backend": "in_process", "concurrency": None, "seconds": seconds, "candidates_per_s": base,
+             "times": times[None], **cpu_row(cpu[None])}]
+    for c in remotes:
+        same = sum(g.token_ids == w.token_ids for g, w in zip(outs[c], want)) / len(want)
+        overheads = [100.0 * (1 - t0 / t) for t0, t in zip(times[None], times[c])]
+        rows.append({"backend": "openai", "concurrency": c, "seconds": statistics.median(times[c]),
+                     "candidates_per_s": args.prompts * args.n / statistics.median(times[c]),
+                     "overhead_pct": statistics.median(overheads), "overheads_pct": overheads, "times": times[c],
+                     "same_candidates_pct": 100.0 * same, **cpu_row(cpu[c])})
+    if bursts is not None:
+        rows[0]["bursts"] = bursts
     server.close() if args.engine == "thread" else server.stop()
     print(f"{args.model or 'tiny random model'}: {args.prompts} prompts x {args.n} candidates x {args.new_tokens} "
           f"tokens, server on a {args.engine}, load {os.getloadavg()[0]:.1f}")
-    print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}")
+    print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}{'CPU s':>8}{'engine':>8}")
     for r in rows:
         over = f"{r['overhead_pct']:.1f}%" if "overhead_pct" in r else "-"
         same = f"{r['same_candidates_pct']:.0f}%" if "same_candidates_pct" in r else "-"
         print(f"{r['backend']:<12}{r['concurrency'] or '-':>12}{r['seconds']:>10.2f}{r['candidates_per_s']:>10.1f}"
-              f"{over:>10}{same:>8}")
+              f"{over:>10}{same:>8}{r['cpu_s']:>8.2f}{r['engine_cpu_s']:>8.2f}")
     print(json.dumps(rows))
 
 
