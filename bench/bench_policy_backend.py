@@ -25,8 +25,8 @@ never makes, and its first compile would otherwise land in a timed call. Each si
 `repeats` times timed, interleaved: a repeat times the in-process call and then each concurrency back to back.
 Candidates/s = prompts x n / the median seconds; the overhead is the median over the repeats of each repeat's
 1 - (openai candidates/s) / (in_process candidates/s). "CPU s": median CPU seconds of a call, this process's
-plus, with --engine process, the engine's ("engine", read from Linux /proc). "bursts" (server on a thread): how the engine received
-the requests (request counts per sampler call, the warm-up calls included).
+plus, with --engine process, the engine's ("engine", read from Linux /proc). "bursts" (server on a thread): how
+the engine received the requests (request counts per sampler call, the warm-up calls included).
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def main() -> None:
     server.close() if args.engine == "thread" else server.stop()
     print(f"{args.model or 'tiny random model'}: {args.prompts} prompts x {args.n} candidates x {args.new_tokens} "
           f"tokens, server on a {args.engine}, load {os.getloadavg()[0]:.1f}")
-    print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}{'CPU s':>8}{'engine':>8}")
+    print(f"{'backend':<12}{'concurrency':>12}{'seconds':>10}{'cand/s':>10}{'overhead':>10}{'same':>8}"
+          f"{'CPU s':>8}{'engine':>8}")
     for r in rows:
         over = f"{r['overhead_pct']:.1f}%" if "overhead_pct" in r else "-"
         same = f"{r['same_candidates_pct']:.0f}%" if "same_candidates_pct" in r else "-"
