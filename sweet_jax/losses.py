@@ -349,6 +349,9 @@ def dpo_loss(logp_chosen_B: jax.Array, logp_rejected_B: jax.Array, ref_logp_chos
         "margin": mean(h),
         "chosen_score": mean(chosen_reward),
         "rejected_score": mean(rejected_reward),
+        # the policy's own summed log-probs: DPO can widen the margin while both fall (likelihood displacement)
+        "chosen_logp": mean(logp_chosen_B),
+        "rejected_logp": mean(logp_rejected_B),
     }
     return loss, metrics
 

@@ -140,12 +140,14 @@ def read_metrics(path) -> list[dict]:
     return jsonl.read(path, partial="drop")
 
 
-PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "grad_norm", "lr", "tokens_per_s", "mfu")
+PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "chosen_logp", "rejected_logp",
+           "grad_norm", "lr", "tokens_per_s", "mfu")
 # The y axis of each panel: what the number is and its unit.
 Y_LABELS = {
     "loss": "loss (nats per pair)", "pair_accuracy": "fraction of pairs ranked right",
     "margin": "chosen - rejected (nats)", "chosen_score": "score of chosen (nats)",
-    "rejected_score": "score of rejected (nats)", "grad_norm": "global L2 norm", "lr": "learning rate",
+    "rejected_score": "score of rejected (nats)", "chosen_logp": "log p(chosen reply) (nats)",
+    "rejected_logp": "log p(rejected reply) (nats)", "grad_norm": "global L2 norm", "lr": "learning rate",
     "tokens_per_s": "tokens / s", "mfu": "fraction of peak FLOP/s",
 }
 FEW_POINTS = 40  # a series with at most this many points is drawn with markers: each value is visible

@@ -242,7 +242,7 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
     c.train.num_steps = stage.num_steps
     c.train.epochs = stage.epochs
     c.train.seed = config.seed + seed_offset
-    c.train.log_every = 10
+    c.train.log_every = 1             # every step's metrics: the results keep them as evidence
     c.train.eval_every = 0
     c.train.ckpt_every = 0
     c.train.keep_ckpts = 1

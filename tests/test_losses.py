@@ -244,9 +244,10 @@ def test_dpo_loss_on_reply_tokens_matches_numpy(label_smoothing):
     (rc, _), (rr, _) = (losses.reply_logprobs(ref[:, i], turns[:, i]) for i in (0, 1))
     loss, m = losses.dpo_loss(sc, sr, rc, rr, beta=0.1, label_smoothing=label_smoothing,
                               chosen_nll_B=-sc / nc, nll_coef=0.01)
-    want, accs, nlls = [], [], []
+    want, accs, nlls, chosen_logps = [], [], [], []
     for b, (lc, lr) in enumerate(reply_lengths):
         pc, pr = logp[b, 0, T - lc:].sum(), logp[b, 1, T - lr:].sum()
+        chosen_logps.append(pc)
         qc, qr = ref[b, 0, T - lc:].sum(), ref[b, 1, T - lr:].sum()
         h = 0.1 * ((pc - qc) - (pr - qr))
         nll = -logp[b, 0, T - lc:].mean()
@@ -257,6 +258,7 @@ def test_dpo_loss_on_reply_tokens_matches_numpy(label_smoothing):
     np.testing.assert_allclose(loss, np.mean(want), rtol=1e-5)
     np.testing.assert_allclose(m["accuracy"], np.mean(accs))
     np.testing.assert_allclose(m["nll"], np.mean(nlls), rtol=1e-5)
+    np.testing.assert_allclose(m["chosen_logp"], np.mean(chosen_logps), rtol=1e-5)
 
 
 def test_sft_loss_is_token_mean_nll_over_action_tokens_of_real_examples():
