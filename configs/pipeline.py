@@ -29,7 +29,7 @@ METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")
 
 
 def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_coef=0.0, eval_fraction=0.0,
-                 warmup_ratio=0.05, advantage_norm="turn_mean", label_smoothing=0.0):
+                 warmup_ratio=0.05, advantage_norm="turn_mean", label_smoothing=0.0, ckpt_every=0):
     s = ml_collections.ConfigDict()
     s.num_steps = num_steps        # > 0 overrides epochs
     s.epochs = epochs
@@ -41,6 +41,7 @@ def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_
     s.label_smoothing = label_smoothing
     s.advantage_norm = advantage_norm  # turn_mean (paper) | trajectory_mean (official code) | sum
     s.eval_fraction = eval_fraction    # fraction of this stage's *tasks* held out for its own eval metrics
+    s.ckpt_every = ckpt_every          # > 0: keep a checkpoint every this many steps (the run's trajectory, as evidence)
     return s
 
 

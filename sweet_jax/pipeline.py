@@ -244,8 +244,8 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
     c.train.seed = config.seed + seed_offset
     c.train.log_every = 1             # every step's metrics: the results keep them as evidence
     c.train.eval_every = 0
-    c.train.ckpt_every = 0
-    c.train.keep_ckpts = 1
+    c.train.ckpt_every = stage.get("ckpt_every", 0)
+    c.train.keep_ckpts = 1 if not c.train.ckpt_every else 1000
     c.train.ref_logp = config.train.ref_logp
     c.optim.lr = stage.lr
     c.optim.warmup_ratio = stage.warmup_ratio
