@@ -1,18 +1,25 @@
 """How good are a run's step-level pairs? On the synthetic lookup tasks every reply has a known worth, so the
-critic's ranking can be checked against the truth: the rankings' agreement with the oracle below (overall and
-by reply kind) and each policy's behaviour (questions on the task's keys, answers, copy accuracy of the values
-the user stated). The pipeline's report stage and `python -m sweet_jax.pipeline_diagnostics` read them.
+critic's ranking can be checked against the truth: the rankings' agreement with the oracle below (overall, by
+reply kind and by state) and each policy's behaviour (questions on the task's keys, answers, copy accuracy of the
+values the user stated). The pipeline's report stage and `python -m sweet_jax.pipeline_diagnostics` read them.
 
-Oracle worth of a reply a_t after the dialogue o_t (data/synthetic.py tasks): the fraction of the task's
-constants that are settled after it —
-  an answer ("I WANT TO ANSWER:"): the fraction of the task's keys whose value it writes correctly;
-  a question: the fraction of keys whose value the user has stated so far plus the new keys it asks about
-  (what a later answer can copy).
-A pair agrees with the oracle when its chosen reply is worth more than its rejected one; pairs of equal worth
-are not counted.
+Oracle worth of a reply a_t at agent turn t (1-based) after the dialogue o_t, with a turn limit of T agent turns
+(the T-th reply must be the answer): the reward the best continuation reaches from there, less a small cost
+TURN_COST for each further turn it needs —
+  an answer ("I WANT TO ANSWER:"): the fraction of the task's keys whose value it writes correctly; no further turn;
+  a question at t < T: the user states (at most two of) the task's keys it names (the scripted human's rule), so
+    the keys known after it are those stated so far plus those; the r = T - t turns left allow r - 1 more
+    questions of two keys each before the answer: (known + min(unknown, 2 (r - 1))) / n, less TURN_COST for the
+    question itself and each further question and the answer it takes;
+  a question at t = T: the episode ends without an answer: 0.
+So at a state where every value is known a correct answer (1.0) beats a repeated question (1.0 - TURN_COST),
+a question that learns a new value beats one that learns none, and no question is worth more than the turn limit
+lets it be. TURN_COST (0.01) is below any reward difference (1/n >= 1/4 over at most 10 turns), so it only breaks
+ties between replies that reach the same reward.
 """
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 from typing import Sequence
@@ -22,60 +29,128 @@ from sweet_jax.data import synthetic
 from sweet_jax.data.schema import PolicyPair, load_records
 from sweet_jax.envs import ANSWER_MARKER
 
+TURN_COST = 0.01
+MAX_TURNS = 10          # the environment's default turn limit (envs.ColBenchEnv)
+KEYS_PER_REPLY = 2      # the scripted human states at most two values a reply (synthetic.simulator_reply)
+
 
 def _named(text: str, keys) -> set[str]:
     return {k for k in keys if re.search(rf"\b{re.escape(k)}\b", text.lower())}
 
 
-def reply_worth(task, prompt_messages: Sequence[dict], reply: str) -> float:
+def _stated_by_reply(text: str, keys) -> set[str]:
+    """The keys the scripted human states in answer to `text`: the first two task keys it names."""
+    named = sorted((m.start(), k) for k in keys for m in [re.search(rf"\b{re.escape(k)}\b", text.lower())] if m)
+    return {k for _, k in named[:KEYS_PER_REPLY]}
+
+
+def known_keys(task, prompt_messages: Sequence[dict]) -> set[str]:
+    """The task's keys whose value the user has stated in the dialogue so far (after the task statement)."""
     truth = synthetic.hidden_constants(task)
-    if not truth:
+    user_turns = [m["content"] for m in prompt_messages if m["role"] == "user"][1:]
+    return set().union(*[_named(t, truth) for t in user_turns]) if user_turns else set()
+
+
+def agent_turn(prompt_messages: Sequence[dict]) -> int:
+    """The 1-based index of the agent turn that replies after these messages."""
+    return 1 + sum(m["role"] == "assistant" for m in prompt_messages)
+
+
+def reply_worth(task, prompt_messages: Sequence[dict], reply: str, *, max_turns: int = MAX_TURNS) -> float:
+    truth = synthetic.hidden_constants(task)
+    n = len(truth)
+    if not n:
         return 0.0
     if ANSWER_MARKER in reply:
         written = synthetic.hidden_constants({"ground_truth": reply.split(ANSWER_MARKER, 1)[1]})
-        return sum(written.get(k) == v for k, v in truth.items()) / len(truth)
-    user_turns = [m["content"] for m in prompt_messages if m["role"] == "user"][1:]  # after the task statement
-    known = set().union(*[_named(t, truth) for t in user_turns]) if user_turns else set()
-    return len(known | _named(reply, truth)) / len(truth)
+        return sum(written.get(k) == v for k, v in truth.items()) / n
+    t = agent_turn(prompt_messages)
+    if t >= max_turns:
+        return 0.0
+    known = known_keys(task, prompt_messages) | _stated_by_reply(reply, truth)
+    unknown = n - len(known)
+    more_questions = min(math.ceil(unknown / KEYS_PER_REPLY), max_turns - t - 1)
+    reached = min(n, len(known) + KEYS_PER_REPLY * more_questions) / n
+    return reached - TURN_COST * (1 + more_questions)   # the turns it adds before the answer: itself and the later ones
 
 
-def pair_oracle_agreement(pairs_path, trajectories_path) -> dict:
-    """Share of a ranking's pairs (rank*/pairs.jsonl) whose chosen reply the oracle also prefers."""
+def reply_kind(task, prompt_messages: Sequence[dict], reply: str) -> str:
+    """What a reply does, in the oracle's terms: answer_correct / answer_wrong (every value right or not);
+    question_new (learns a value not yet stated), question_repeat (names only stated keys), question_other
+    (names no key of the task)."""
+    truth = synthetic.hidden_constants(task)
+    if ANSWER_MARKER in reply:
+        written = synthetic.hidden_constants({"ground_truth": reply.split(ANSWER_MARKER, 1)[1]})
+        return "answer_correct" if all(written.get(k) == v for k, v in truth.items()) else "answer_wrong"
+    asked = _stated_by_reply(reply, truth)
+    if not asked:
+        return "question_other"
+    return "question_new" if asked - known_keys(task, prompt_messages) else "question_repeat"
+
+
+def turn_state(task, prompt_messages: Sequence[dict]) -> dict:
+    """Where a turn prompt stands: its agent turn index, how many of the task's values are known, and
+    `all_known` (every value stated: answering is right now)."""
+    n, known = len(synthetic.hidden_constants(task)), len(known_keys(task, prompt_messages))
+    return {"turn": agent_turn(prompt_messages), "known": known, "keys": n, "all_known": known == n}
+
+
+def pair_evidence(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS) -> list[dict]:
+    """Every pair of a ranking (rank*/pairs.jsonl) with what explains it: the state of its turn prompt, the kind
+    and oracle worth of each reply, the critic's scores and the oracle's verdict (agree / disagree / tie)."""
     trajs = jsonl.read(trajectories_path)
-    agree = disagree = ties = 0
+    rows = []
     for p in load_records(pairs_path, PolicyPair):
         task = trajs[p.trajectory_index]["task"]
-        chosen = reply_worth(task, p.prompt, p.chosen)
-        rejected = reply_worth(task, p.prompt, p.rejected)
-        if chosen > rejected:
-            agree += 1
-        elif chosen < rejected:
-            disagree += 1
-        else:
-            ties += 1
-    decided = agree + disagree
-    return {"pairs": agree + disagree + ties, "decided": decided, "ties": ties,
-            "agreement_pct": 100.0 * agree / decided if decided else None}
+        worth = [reply_worth(task, p.prompt, r, max_turns=max_turns) for r in (p.chosen, p.rejected)]
+        verdict = "agree" if worth[0] > worth[1] else "disagree" if worth[0] < worth[1] else "tie"
+        rows.append({"trajectory_index": p.trajectory_index, "turn_index": p.turn, **turn_state(task, p.prompt),
+                     "chosen_kind": reply_kind(task, p.prompt, p.chosen),
+                     "rejected_kind": reply_kind(task, p.prompt, p.rejected),
+                     "chosen_worth": worth[0], "rejected_worth": worth[1], "verdict": verdict,
+                     "chosen_score": p.chosen_score, "rejected_score": p.rejected_score,
+                     "chosen": p.chosen, "rejected": p.rejected})
+    return rows
 
 
-def _kind(reply: str) -> str:
-    return "answer" if ANSWER_MARKER in reply else "question"
+def pair_oracle_agreement(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS) -> dict:
+    """Share of a ranking's pairs whose chosen reply the oracle also prefers (ties counted apart)."""
+    verdicts = [r["verdict"] for r in pair_evidence(pairs_path, trajectories_path, max_turns=max_turns)]
+    agree, disagree = verdicts.count("agree"), verdicts.count("disagree")
+    return {"pairs": len(verdicts), "decided": agree + disagree, "ties": verdicts.count("tie"),
+            "agreement_pct": 100.0 * agree / (agree + disagree) if agree + disagree else None}
 
 
-def pair_kinds(pairs_path, trajectories_path) -> dict:
-    """Oracle agreement by the kinds of the two replies (chosen vs rejected: question / answer): which
-    decisions the ranking gets right. {"question>answer": [agree, decided], ...}."""
-    trajs = jsonl.read(trajectories_path)
-    out: dict[str, list[int]] = {}
-    for p in load_records(pairs_path, PolicyPair):
-        task = trajs[p.trajectory_index]["task"]
-        chosen, rejected = (reply_worth(task, p.prompt, reply) for reply in (p.chosen, p.rejected))
-        if chosen == rejected:
-            continue
-        cell = out.setdefault(f"{_kind(p.chosen)} over {_kind(p.rejected)}", [0, 0])
-        cell[0] += chosen > rejected
-        cell[1] += 1
-    return out
+def _coarse(kind: str) -> str:
+    return kind.split("_")[0]
+
+
+def pair_kinds(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS, fine: bool = False) -> dict:
+    """The oracle's verdicts by the kinds of the two replies ("question over answer": {"agree": .., "disagree":
+    .., "tie": ..}, chosen first; `fine` uses reply_kind's five kinds) and by the prompt's state ("all values
+    known" / "some unknown"): which decisions the ranking makes, and which it gets right."""
+    out: dict[str, dict[str, int]] = {}
+    for r in pair_evidence(pairs_path, trajectories_path, max_turns=max_turns):
+        kinds = (r["chosen_kind"], r["rejected_kind"]) if fine else (_coarse(r["chosen_kind"]),
+                                                                      _coarse(r["rejected_kind"]))
+        state = "all values known" if r["all_known"] else "some unknown"
+        for key in (f"{kinds[0]} over {kinds[1]}", f"{state}: {kinds[0]} over {kinds[1]}"):
+            cell = out.setdefault(key, {"agree": 0, "disagree": 0, "tie": 0})
+            cell[r["verdict"]] += 1
+    return dict(sorted(out.items()))
+
+
+def prompt_states(prompts: Sequence, trajectories: Sequence[dict]) -> dict:
+    """How the ranked turn prompts (ranking.TurnPrompt) are spread over states: {"turn 1, 0/3 known": n, ...}
+    and the count where every value is known (where answering is right)."""
+    counts: dict[str, int] = {}
+    all_known = 0
+    for p in prompts:
+        st = turn_state(trajectories[p.trajectory_index]["task"], p.messages)
+        key = f"turn {st['turn']}, {st['known']}/{st['keys']} known"
+        counts[key] = counts.get(key, 0) + 1
+        all_known += st["all_known"]
+    return {"prompts": len(prompts), "all_known": all_known, "by_state": dict(sorted(counts.items()))}
 
 
 def policy_behaviour(trajectories: Sequence[dict]) -> dict:

@@ -1,5 +1,6 @@
 """The whole SWEET-RL pipeline, reduced (configs/pipeline.py:test): every stage runs end to end through the
 real trainer, sampler, environment, scripted human and sandbox, and leaves valid artifacts; a rerun skips it all."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -241,22 +242,98 @@ def test_colbench_8b_preset_is_complete():
         pipeline.stage_init(pipeline.Run(c, pathlib.Path("/nonexistent")), pathlib.Path("/nonexistent"))
 
 
-def test_synthetic_oracle_values_answers_and_questions():
+def _floor_task():
     from sweet_jax.data import synthetic
-    from sweet_jax.diagnostics import reply_worth
-
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)
-    start = [{"role": "user", "content": task["problem_description"]}]
-    one_wrong = dict(truth, sales=truth["sales"] + 1)
     answer = lambda values: "I WANT TO ANSWER:\n" + synthetic.lookup_code(theme.function, theme.argument, values)  # noqa: E731
+    return task, truth, answer
+
+
+def _told(task, keys, *, extra_turns=0):
+    """The dialogue after asking about `keys` one a turn (and `extra_turns` vague exchanges before them)."""
+    from sweet_jax.data import synthetic
+    messages = [{"role": "user", "content": task["problem_description"]}]
+    for _ in range(extra_turns):
+        messages += [{"role": "assistant", "content": "Could you tell me more?"},
+                     {"role": "user", "content": "Ask me about a specific one."}]
+    for k in keys:
+        question = f"Which floor is the {k} team on?"
+        messages += [{"role": "assistant", "content": question},
+                     {"role": "user", "content": synthetic.simulator_reply(task, [{"content": question}])}]
+    return messages
+
+
+def test_synthetic_oracle_values_answers_and_questions():
+    from sweet_jax.diagnostics import TURN_COST, reply_worth
+
+    task, truth, answer = _floor_task()
+    start = _told(task, [])
+    one_wrong = dict(truth, sales=truth["sales"] + 1)
     assert reply_worth(task, start, answer(truth)) == 1.0
     assert reply_worth(task, start, answer(one_wrong)) == pytest.approx(2 / 3)
-    assert reply_worth(task, start, "Which floor is the design team on?") == pytest.approx(1 / 3)
-    told = start + [{"role": "assistant", "content": "Which floor is the design team on?"},
-                    {"role": "user", "content": "The design team is on floor 6."}]
-    assert reply_worth(task, told, "Which floor is the sales team on?") == pytest.approx(2 / 3)
-    assert reply_worth(task, told, "Could you tell me more?") == pytest.approx(1 / 3)
+    # a question learns its key; one more question (two keys a reply) and the answer reach every value
+    assert reply_worth(task, start, "Which floor is the design team on?") == pytest.approx(1 - 2 * TURN_COST)
+    told = _told(task, ["design"])
+    assert reply_worth(task, told, "Which floor is the sales team on?") == pytest.approx(1 - 2 * TURN_COST)
+    assert reply_worth(task, told, "What about sales and finance?") == pytest.approx(1 - TURN_COST)
+
+
+def test_oracle_ranks_a_correct_answer_above_a_repeated_question_when_everything_is_known():
+    from sweet_jax.diagnostics import reply_kind, reply_worth, turn_state
+
+    task, truth, answer = _floor_task()
+    everything = _told(task, ["design", "sales", "finance"])
+    assert turn_state(task, everything) == {"turn": 4, "known": 3, "keys": 3, "all_known": True}
+    correct, repeat = answer(truth), "Which floor is the sales team on?"
+    assert reply_worth(task, everything, correct) > reply_worth(task, everything, repeat)
+    assert reply_worth(task, everything, repeat) > reply_worth(task, everything, answer(dict(truth, sales=0)))
+    assert [reply_kind(task, everything, r) for r in (correct, repeat, "Anything else?")] == \
+        ["answer_correct", "question_repeat", "question_other"]
+    assert reply_kind(task, _told(task, ["design"]), repeat) == "question_new"
+
+
+def test_oracle_knows_the_turn_limit():
+    from sweet_jax.diagnostics import TURN_COST, reply_worth
+
+    task, truth, answer = _floor_task()
+    # agent turn 9 of 10 with finance unknown: this question is the last one, the 10th reply must answer
+    late = _told(task, ["design", "sales"], extra_turns=6)
+    assert reply_worth(task, late, "Which floor is the finance team on?") == pytest.approx(1 - TURN_COST)
+    assert reply_worth(task, late, "Which floor is the sales team on?") == pytest.approx(2 / 3 - TURN_COST)
+    # agent turn 10: a question ends the episode without an answer
+    last = _told(task, ["design", "sales"], extra_turns=7)
+    assert reply_worth(task, last, "Which floor is the finance team on?") == 0.0
+    assert reply_worth(task, last, answer(dict(truth, finance=0))) == pytest.approx(2 / 3)
+    # with a limit of 3 turns, asking at turn 2 about one key leaves one unknown that no question can learn
+    assert reply_worth(task, _told(task, ["design"]), "Which floor is the sales team on?",
+                       max_turns=3) == pytest.approx(2 / 3 - TURN_COST)
+
+
+def test_pair_kinds_count_every_pair_ties_included(tmp_path):
+    from sweet_jax import jsonl
+    from sweet_jax.data.schema import PolicyPair
+    from sweet_jax.diagnostics import pair_evidence, pair_kinds
+
+    task, truth, answer = _floor_task()
+    everything, start = _told(task, ["design", "sales", "finance"]), _told(task, [])
+    trajs = tmp_path / "trajectories.jsonl"
+    jsonl.write(trajs, [{"task": task, "dialogue_history": everything, "reward": 1.0}])
+    pair = lambda prompt, chosen, rejected: dataclasses.asdict(PolicyPair(  # noqa: E731
+        0, 1 + sum(m["role"] == "assistant" for m in prompt), "k", prompt, "", chosen, rejected, 1.0, 0.0,
+        "ref_with_info"))
+    jsonl.write(tmp_path / "pairs.jsonl", [
+        pair(everything, "Which floor is the sales team on?", answer(truth)),           # wrong: should answer
+        pair(start, "Which floor is the sales team on?", answer(truth)),                # wrong: a correct answer
+        pair(start, "Which floor is the design team on?", "Which floor is the sales team on?"),   # a tie
+        pair(start, "Which floor is the design team on?", answer(dict(truth, sales=0)))])         # right
+    rows = pair_evidence(tmp_path / "pairs.jsonl", trajs)
+    assert [r["verdict"] for r in rows] == ["disagree", "disagree", "tie", "agree"]
+    assert rows[0]["all_known"] and not rows[1]["all_known"]
+    kinds = pair_kinds(tmp_path / "pairs.jsonl", trajs)
+    assert kinds["question over answer"] == {"agree": 1, "disagree": 2, "tie": 0}
+    assert kinds["question over question"] == {"agree": 0, "disagree": 0, "tie": 1}
+    assert kinds["all values known: question over answer"] == {"agree": 0, "disagree": 1, "tie": 0}
 
 
 def test_policy_behaviour_measures_questions_and_copy_accuracy():
