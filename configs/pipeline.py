@@ -25,7 +25,7 @@ import ml_collections
 from sweet_jax import policy_backend
 
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")
-METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")
+METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_iterative on request
 
 
 def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_coef=0.0, eval_fraction=0.0,
@@ -63,6 +63,10 @@ def get_config(preset: str = "demo"):
     c.tasks.num_heldout = 64
     c.tasks.min_keys = 2
     c.tasks.max_keys = 4
+    # Validation tasks: the settings of every method (learning rate, steps; select.*) are chosen on them. Drawn
+    # with their own seed, disjoint from the training, held-out and demonstration tasks (files: split off train).
+    c.tasks.num_validation = 0
+    c.tasks.validation_seed = 4321
     c.tasks.train_path = ""           # files: training tasks JSONL
     c.tasks.heldout_path = ""         # files: held-out tasks JSONL ('' = hold out num_heldout of train_path)
 
@@ -115,9 +119,18 @@ def get_config(preset: str = "demo"):
 
     # (5) candidates per turn and ranking
     c.rank = ml_collections.ConfigDict()
-    c.rank.max_prompts = 128          # turn prompts ranked (a seeded sample of all offline turns); 0 = all
+    # Which turn prompts get candidates (rank.turn_selection):
+    #   sample        a seeded sample of max_prompts of all the offline turns (0 = all)
+    #   trajectories  every turn of the first data_fraction of the offline trajectories, in file order (the official
+    #                 sample_best_of_n.py --data_fraction 0.1); max_prompts, when set, caps them
+    #   balanced      synthetic tasks: a seeded sample of max_prompts with as many prompts where every value is
+    #                 known (answering is right) as the offline turns hold, up to half (an option beyond the paper)
+    c.rank.turn_selection = "sample"
+    c.rank.data_fraction = 0.1
+    c.rank.max_prompts = 128
     c.rank.num_candidates = 8
     c.rank.num_pairs = 2
+    c.rank.pairing = "strict"         # strict (chosen scores higher, no repeats) | official (with replacement, ties)
     c.rank.temperature = 1.0
     c.rank.max_new_tokens = 96
     c.rank.rank_reference = "ref_with_info"  # ref_with_info (paper) | sampler (official code)
@@ -133,6 +146,25 @@ def get_config(preset: str = "demo"):
     c.sweet = _train_stage(num_steps=40, lr=1e-4, batch_size=8, beta=0.1, nll_coef=0.01)
     c.mtdpo = _train_stage(num_steps=40, lr=1e-4, batch_size=8, beta=0.1)
     c.rft = _train_stage(num_steps=40, lr=1e-4, batch_size=8)
+
+    # Settings chosen on the validation tasks, the same way for every trained method (README "Selection"): one
+    # training run per learning rate of select.lrs, max(select.steps) steps long, its checkpoints at select.steps
+    # each played on the validation tasks; the (lr, steps) with the highest validation success rate (then % tests
+    # passed, then fewer steps, then the smaller lr) is the method's policy, and only it meets the held-out tasks.
+    # select.frozen = a selection.json of an earlier run (seed 0): its choices, trained on the same schedule
+    # (max of its steps), no validation. select.steps = '' turns selection off: one run with each stage's settings.
+    c.select = ml_collections.ConfigDict()
+    c.select.lrs = ""                 # comma-separated learning rates, e.g. "3e-6,1e-5,3e-5"
+    c.select.steps = ""               # comma-separated step counts, e.g. "8,16,32"
+    c.select.frozen = ""
+
+    # Iterative SWEET-RL (method sweet_iterative, an option beyond the paper): rounds 2..rounds each collect the
+    # previous round's policy's episodes on the training tasks, train a critic (from the starting policy) on every
+    # round's episodes, rank candidates of the previous policy at the new episodes' turns against the starting
+    # policy, and run SWEET-RL's DPO from the previous policy with SWEET-RL's chosen (lr, steps); round 1 is
+    # SWEET-RL itself. With selection on, the round played on the held-out tasks is chosen on validation.
+    c.iterate = ml_collections.ConfigDict()
+    c.iterate.rounds = 2
 
     # (7) evaluation on held-out tasks
     c.eval = ml_collections.ConfigDict()

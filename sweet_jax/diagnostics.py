@@ -140,6 +140,18 @@ def pair_kinds(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS, fin
     return dict(sorted(out.items()))
 
 
+def annotate_scores(row: dict, trajectories: Sequence[dict], *, max_turns: int = MAX_TURNS) -> dict:
+    """A ranking's scores line (one turn's candidates) with the turn's state and each candidate's kind and
+    oracle worth."""
+    traj = trajectories[row["trajectory_index"]]
+    history = traj["dialogue_history"]
+    assistant = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+    prompt = history[:assistant[row["turn"] - 1]]
+    task = traj["task"]
+    return dict(row, **turn_state(task, prompt), kinds=[reply_kind(task, prompt, t) for t in row["texts"]],
+                worth=[reply_worth(task, prompt, t, max_turns=max_turns) for t in row["texts"]])
+
+
 def prompt_states(prompts: Sequence, trajectories: Sequence[dict]) -> dict:
     """How the ranked turn prompts (ranking.TurnPrompt) are spread over states: {"turn 1, 0/3 known": n, ...}
     and the count where every value is known (where answering is right)."""

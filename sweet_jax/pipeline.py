@@ -52,7 +52,7 @@ from sweet_jax.errors import SweetJaxError
 log = logging.getLogger("sweet_jax.pipeline")
 
 DONE = "done.json"
-ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")
+ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_iterative")
 
 
 class PipelineError(SweetJaxError):
@@ -193,12 +193,40 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
             train = train[:t.num_train]
     else:
         raise PipelineError(f"config.tasks.source={t.source!r}: use synthetic, files or frontend_files")
+    validation = validation_tasks(run.config, train, heldout)
+    if t.source != "synthetic":
+        taken = {x["ground_truth"] for x in validation}
+        train = [x for x in train if x["ground_truth"] not in taken]
     if not train or not heldout:
         raise PipelineError(f"tasks: {len(train)} training and {len(heldout)} held-out tasks; both must be > 0 "
                             "(config.tasks.num_train / num_heldout / heldout_path)")
     write_jsonl(d / "train.jsonl", train)
     write_jsonl(d / "heldout.jsonl", heldout)
-    return {"train": len(train), "heldout": len(heldout), "source": t.source}
+    if validation:
+        write_jsonl(d / "validation.jsonl", validation)
+    return {"train": len(train), "heldout": len(heldout), "validation": len(validation), "source": t.source}
+
+
+def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dict]:
+    """config.tasks.num_validation tasks drawn with tasks.validation_seed: synthetic ones disjoint from the
+    training and held-out tasks and from every task the starting policy's demonstrations may be drawn from (so
+    adding validation tasks leaves the demonstrations as they were), or a seeded sample of the training file's
+    tasks (which then leave the training set)."""
+    t = config.tasks
+    if not t.get("num_validation"):
+        return []
+    if t.source == "synthetic":
+        from sweet_jax.data import synthetic
+        taken = {x["ground_truth"] for x in train + heldout}
+        taken |= {x["ground_truth"] for x in demonstration_pool(config, len(taken))}
+        pool = synthetic.make_tasks(t.num_validation + len(taken), seed=t.validation_seed, min_keys=t.min_keys,
+                                    max_keys=t.max_keys)
+        return [x for x in pool if x["ground_truth"] not in taken][:t.num_validation]
+    if t.num_validation >= len(train):
+        raise PipelineError(f"config.tasks.num_validation={t.num_validation} leaves no training task of "
+                            f"{len(train)}; lower it")
+    picked = random.Random(t.validation_seed).sample(range(len(train)), t.num_validation)
+    return [train[i] for i in sorted(picked)]
 
 
 def load_task_split(run: Run, split: str) -> list[dict]:
@@ -272,14 +300,15 @@ def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
             "tokens_per_s": summary.get("tokens_per_s")}
 
 
-def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path) -> None:
-    """The latest checkpoint of a train.run workdir as an HF directory (written whole, then renamed into place)."""
+def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path, *, step: int | None = None) -> None:
+    """The latest checkpoint (or `step`'s) of a train.run workdir as an HF directory (written whole, then renamed
+    into place)."""
     from sweet_jax import rundir
 
     tmp = out_hf.with_name(out_hf.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        rundir.export_run(train_dir, tmp)
+        rundir.export_run(train_dir, tmp, step=step)
     except rundir.RunDirError as e:
         raise PipelineError(f"{e}; delete {train_dir.parent} and rerun to train this stage again") from None
     shutil.rmtree(out_hf, ignore_errors=True)
@@ -374,9 +403,8 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
     demo_tasks = load_task_split(run, "train")
     if config.init.num_tasks:
         taken = {t["ground_truth"] for split in ("train", "heldout") for t in load_task_split(run, split)}
-        pool = synthetic.make_tasks(config.init.num_tasks + len(taken), seed=config.init.seed + 7919,
-                                    min_keys=config.tasks.min_keys, max_keys=config.tasks.max_keys)
-        demo_tasks = [t for t in pool if t["ground_truth"] not in taken][:config.init.num_tasks]
+        demo_tasks = [t for t in demonstration_pool(config, len(taken))
+                      if t["ground_truth"] not in taken][:config.init.num_tasks]
     demos = synthetic.scripted_trajectories(demo_tasks, seed=config.init.seed,
                                             per_task=config.init.demos_per_task,
                                             policy_weights=_policy_weights(config.init.policy_weights),
@@ -408,6 +436,16 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
             "demo_tests_passed_pct": float(100 * rewards.mean()),
             "sft": {k: v for k, v in trained.items() if k != "hf"},
             "parameters": parameters}
+
+
+def demonstration_pool(config, num_taken: int) -> list[dict]:
+    """The synthetic tasks the starting policy's demonstrations are drawn from (the first init.num_tasks of them
+    that are neither training nor held-out tasks, num_taken of which there are)."""
+    from sweet_jax.data import synthetic
+    if config.init.kind != "sft" or not config.init.num_tasks:
+        return []
+    return synthetic.make_tasks(config.init.num_tasks + num_taken, seed=config.init.seed + 7919,
+                                min_keys=config.tasks.min_keys, max_keys=config.tasks.max_keys)
 
 
 def _tiny_llama_config(config):
@@ -553,18 +591,56 @@ def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *
 # (5) candidates and ranking
 # ==========================================================================================================
 
+TURN_SELECTIONS = ("sample", "trajectories", "balanced")
+
+
 def ranked_prompts(run: Run, trajectories: str):
-    """The turn prefixes o_t that get candidates: every assistant turn of the offline trajectories, or a
-    seeded sample of config.rank.max_prompts of them."""
+    """The turn prefixes o_t that get candidates (config.rank.turn_selection, configs/pipeline.py)."""
     from sweet_jax import ranking
     from sweet_jax.data import load_trajectories
 
-    prompts = ranking.turn_prompts(load_trajectories(trajectories))
-    n = run.config.rank.max_prompts
-    if n and n < len(prompts):
-        picked = sorted(np.random.default_rng(run.config.seed).choice(len(prompts), size=n, replace=False))
-        prompts = [prompts[i] for i in picked]
-    return prompts
+    r = run.config.rank
+    trajs = load_trajectories(trajectories)
+    selection = r.get("turn_selection", "sample")
+    return select_turn_prompts(ranking.turn_prompts(trajs), selection, max_prompts=r.max_prompts,
+                               data_fraction=r.get("data_fraction", 1.0), seed=run.config.seed,
+                               tasks=[t.task.to_json() for t in trajs] if selection == "balanced" else None)
+
+
+def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data_fraction: float, seed: int,
+                        tasks: Sequence[dict] | None = None) -> list:
+    """sample: a seeded sample of max_prompts; trajectories: every turn of the first data_fraction of the
+    trajectories (the official rule), capped at max_prompts; balanced: a seeded sample of max_prompts, of which
+    those where every value is known (synthetic tasks, `tasks` by trajectory index) make up to half."""
+    if selection not in TURN_SELECTIONS:
+        raise PipelineError(f"config.rank.turn_selection={selection!r}: use one of {', '.join(TURN_SELECTIONS)}")
+    rng = np.random.default_rng(seed)
+
+    def sample(items, n):
+        return items if not n or n >= len(items) else [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
+
+    if selection == "trajectories":
+        if not 0.0 < data_fraction <= 1.0:
+            raise PipelineError(f"config.rank.data_fraction={data_fraction}: use a fraction in (0, 1]")
+        count = len({p.trajectory_index for p in prompts})
+        kept = [p for p in prompts if p.trajectory_index < int(count * data_fraction)]
+        if not kept:
+            raise PipelineError(f"config.rank.data_fraction={data_fraction} of {count} trajectories keeps none; "
+                                "raise it")
+        return kept[:max_prompts] if max_prompts else kept
+    if selection == "balanced":
+        from sweet_jax import diagnostics
+        if tasks is None:
+            raise PipelineError("config.rank.turn_selection='balanced' needs the synthetic tasks (it balances "
+                                "prompts by which values are known)")
+        known = [diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in prompts]
+        ready = [p for p, k in zip(prompts, known) if k]
+        rest = [p for p, k in zip(prompts, known) if not k]
+        n = max_prompts or len(prompts)
+        ready = sample(ready, min(len(ready), n // 2))
+        picked = ready + sample(rest, n - len(ready))
+        return sorted(picked, key=lambda p: p.key)
+    return sample(prompts, max_prompts)
 
 
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
@@ -629,8 +705,9 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
         if c.rank.rank_reference == "ref_with_info" else None
     out = d / "pairs.jsonl"
     result = ranking.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,
-                             rank_reference=c.rank.rank_reference, num_pairs=c.rank.num_pairs,
-                             seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch, progress=True)
+                                rank_reference=c.rank.rank_reference, num_pairs=c.rank.num_pairs,
+                                seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch, progress=True,
+                                pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
     pairs = load_records(out, PolicyPair)
     if not pairs:
         raise PipelineError(f"{out}: no step-level pairs (every turn's candidates tied); raise "
@@ -657,31 +734,119 @@ def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
 # (6) policies
 # ==========================================================================================================
 
-def stage_policy(run: Run, d: pathlib.Path, method: str, policy_hf: str, *, trajectories: str = "",
-                 pairs: str = "") -> dict:
+def policy_train_config(run: Run, method: str, policy_hf: str, *, trajectories: str = "", pairs: str = ""):
     c = run.config
     if method in ("sweet", "sweet_no_info"):
-        tconfig = train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, pairs=pairs, seed_offset=2)
-    elif method == "mtdpo":
-        tconfig = train_config(c, kind="mtdpo", stage=c.mtdpo, model_path=policy_hf, trajectories=trajectories,
-                               seed_offset=3)
-    elif method == "rft":
-        tconfig = train_config(c, kind="rft", stage=c.rft, model_path=policy_hf, trajectories=trajectories,
-                               seed_offset=4)
-    else:
-        raise PipelineError(f"no policy training for method {method!r}")
+        return train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, pairs=pairs, seed_offset=2)
+    if method == "mtdpo":
+        return train_config(c, kind="mtdpo", stage=c.mtdpo, model_path=policy_hf, trajectories=trajectories,
+                            seed_offset=3)
+    if method == "rft":
+        return train_config(c, kind="rft", stage=c.rft, model_path=policy_hf, trajectories=trajectories,
+                            seed_offset=4)
+    raise PipelineError(f"no policy training for method {method!r}")
+
+
+def stage_policy(run: Run, d: pathlib.Path, method: str, policy_hf: str, *, trajectories: str = "",
+                 pairs: str = "") -> dict:
+    tconfig = policy_train_config(run, method, policy_hf, trajectories=trajectories, pairs=pairs)
     return dict(train_and_export(run, d, tconfig), method=method)
+
+
+def stage_policy_grid(run: Run, d: pathlib.Path, method: str, policy_hf: str, grid: "Grid", lr: float, *,
+                      trajectories: str = "", pairs: str = "") -> dict:
+    """One training run of `method` at learning rate lr for grid.total_steps steps, its checkpoints at the grid's
+    steps exported to d/step{N}/hf (then the checkpoints, ~3x the model each, are deleted)."""
+    from sweet_jax import trainer
+    from sweet_jax.rundir import CHECKPOINT_DIR
+
+    tconfig = policy_train_config(run, method, policy_hf, trajectories=trajectories, pairs=pairs)
+    steps = grid.steps_of(method)
+    tconfig.optim.lr = lr
+    tconfig.train.num_steps = grid.total_steps
+    tconfig.train.ckpt_every = int(np.gcd.reduce(steps))
+    tconfig.train.keep_ckpts = 1000
+    summary = trainer.run(tconfig, d / "train", accept_config_change=True)
+    for step in steps:
+        export_trained(d / "train", d / f"step{step}" / "hf", step=step)
+    shutil.rmtree(d / "train" / CHECKPOINT_DIR, ignore_errors=True)
+    return {"method": method, "lr": lr, "steps": summary["steps"], "train_examples": summary["train_examples"],
+            "tokens_per_s": summary.get("tokens_per_s"),
+            "hf": {str(step): str(d / f"step{step}" / "hf") for step in steps}}
+
+
+@dataclasses.dataclass
+class Grid:
+    """What config.select asks: the learning rates and checkpoint steps tried per method, or (frozen) the
+    choices of an earlier run's selection.json."""
+    lrs: list[float]
+    steps: list[int]
+    frozen: dict | None = None     # method -> {"lr", "step"}
+
+    @property
+    def total_steps(self) -> int:
+        return max(self.steps)
+
+    @property
+    def validate(self) -> bool:
+        return self.frozen is None
+
+    def lrs_of(self, method: str) -> list[float]:
+        return [self._choice(method)["lr"]] if self.frozen is not None else self.lrs
+
+    def steps_of(self, method: str) -> list[int]:
+        return [self._choice(method)["step"]] if self.frozen is not None else self.steps
+
+    def _choice(self, method):
+        if method not in self.frozen:
+            raise PipelineError(f"config.select.frozen: its selection has no choice for method {method!r} "
+                                f"(it has {', '.join(self.frozen)}); run that method's selection first")
+        return self.frozen[method]
+
+
+def selection_grid(config) -> Grid | None:
+    s = config.get("select")
+    if s is None or not (s.steps or s.frozen):
+        return None
+    if s.frozen:
+        path = pathlib.Path(s.frozen)
+        if not path.is_file():
+            raise PipelineError(f"config.select.frozen={s.frozen!r}: no such file; pass the selection.json that "
+                                "the selecting run (seed 0) wrote in its workdir")
+        chosen = json.loads(path.read_text())
+        return Grid(chosen["lrs"], chosen["steps"], frozen={m: v["choice"] for m, v in chosen["methods"].items()})
+
+    def numbers(text, kind, field):
+        try:
+            values = sorted({kind(x) for x in str(text).split(",") if x.strip()})
+        except ValueError:
+            raise PipelineError(f"config.select.{field}={text!r}: expected comma-separated numbers") from None
+        if not values or values[0] <= 0:
+            raise PipelineError(f"config.select.{field}={text!r}: expected positive numbers")
+        return values
+
+    if not config.tasks.get("num_validation"):
+        raise PipelineError("config.select.steps needs validation tasks to choose on: set config.tasks.num_validation")
+    lrs = numbers(s.lrs, float, "lrs") if s.lrs else []
+    return Grid(lrs, numbers(s.steps, int, "steps"))
+
+
+def choose(results: dict) -> dict:
+    """The selection rule: highest validation success rate, then % tests passed, then fewer steps, then the
+    smaller learning rate. results: "lr/step" -> {"lr", "step", "success_rate", "tests_passed_pct"}."""
+    best = max(results.values(), key=lambda r: (r["success_rate"], r["tests_passed_pct"], -r["step"], -r["lr"]))
+    return {"lr": best["lr"], "step": best["step"]}
 
 
 # ==========================================================================================================
 # (7) evaluation and the report
 # ==========================================================================================================
 
-def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str) -> dict:
+def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str, *, split: str = "heldout") -> dict:
     e = run.config.eval
-    summary = play(run, hf_dir, load_task_split(run, "heldout"), d / "trajectories.jsonl", best_of=e.samples,
+    summary = play(run, hf_dir, load_task_split(run, split), d / "trajectories.jsonl", best_of=e.samples,
                    temperature=e.temperature, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                   max_turns=e.max_turns, seed=run.config.seed + 300)
+                   max_turns=e.max_turns, seed=run.config.seed + (300 if split == "heldout" else 400))
     if summary.get("success_rate") is None:
         raise PipelineError(f"evaluation of {method}: no scored episode in {d / 'trajectories.jsonl'}; see "
                             f"{d / 'trajectories.jsonl.failed.jsonl'}")
@@ -740,6 +905,9 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
             win = e.get("win_rate")
             results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
                                          win_rate_pct=100.0 * win if win is not None else float("nan"))
+    if (run.workdir / "selection.json").exists():
+        results["selection"] = json.loads((run.workdir / "selection.json").read_text())
+    write_evidence(run, run.workdir / "evidence")
     (run.workdir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     title = f"{results['task']}, preset {c.preset}, seed {c.seed}"
     md, png = results_lib.write_report([results], run.workdir, title=title)
@@ -764,6 +932,9 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
         policy_hf = run.starting_policy = s["init"]["policy_hf"]
         s["offline"] = run.stage("offline", "offline", lambda d: stage_offline(run, d, policy_hf))
         traj = s["offline"]["trajectories"]
+        if "sweet_iterative" in methods and "sweet" not in methods:
+            raise PipelineError("config.methods: sweet_iterative starts from SWEET-RL's policy (its round 1); "
+                                "add sweet")
         needs = {"critic": "sweet" in methods, "critic_no_info": "sweet_no_info" in methods}
         for name, use_info in (("critic", True), ("critic_no_info", False)):
             if needs[name]:
@@ -780,13 +951,47 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
             if all(needs.values()):
                 s["pair_agreement"] = pair_agreement(s["rank"]["file"], s["rank_no_info"]["file"], cands)
         hf = {"zero_shot": policy_hf}
+        grid = selection_grid(config)
+        if grid is not None and grid.validate and "zero_shot" in methods:
+            s["valid_zero_shot"] = run.stage("valid_zero_shot", "valid/zero_shot", lambda d: stage_eval(
+                run, d, policy_hf, "zero_shot", split="validation"))
+        selection = {}
         for m in methods:
-            if m == "zero_shot":
+            if m in ("zero_shot", "sweet_iterative"):
                 continue
             pairs = s.get("rank" if m == "sweet" else "rank_no_info", {}).get("file", "")
-            s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
-                run, d, m, policy_hf, trajectories=traj, pairs=p))
-            hf[m] = s[f"policy_{m}"]["hf"]
+            if grid is None:
+                s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
+                    run, d, m, policy_hf, trajectories=traj, pairs=p))
+                hf[m] = s[f"policy_{m}"]["hf"]
+                continue
+            runs = {}
+            for lr in grid.lrs_of(m) or [policy_train_config(run, m, policy_hf).optim.lr]:
+                name = f"policy_{m}_lr{lr:g}"
+                s[name] = run.stage(name, f"policies/{m}/lr{lr:g}", lambda d, m=m, p=pairs, lr=lr: stage_policy_grid(
+                    run, d, m, policy_hf, grid, lr, trajectories=traj, pairs=p))
+                runs[lr] = s[name]["hf"]
+            if not grid.validate:
+                choice = grid.frozen[m]
+                hf[m] = runs[choice["lr"]][str(choice["step"])]
+                continue
+            curve = {}
+            for lr, by_step in runs.items():
+                for step, path in by_step.items():
+                    name = f"valid_{m}_lr{lr:g}_step{step}"
+                    v = run.stage(name, f"valid/{m}/lr{lr:g}_step{step}", lambda d, m=m, p=path: stage_eval(
+                        run, d, p, m, split="validation"))
+                    curve[f"{lr:g}/{step}"] = {"lr": lr, "step": int(step), "success_rate": v["success_rate"],
+                                               "tests_passed_pct": v["tests_passed_pct"],
+                                               "turns_per_episode": v["turns_per_episode"]}
+            selection[m] = {"curve": curve, "choice": choose(curve)}
+            hf[m] = runs[selection[m]["choice"]["lr"]][str(selection[m]["choice"]["step"])]
+        if "sweet_iterative" in methods:
+            hf["sweet_iterative"], rounds = iterate_sweet(run, s, grid, selection, hf["sweet"], traj)
+            if rounds is not None:
+                selection["sweet_iterative"] = rounds
+        if selection:
+            write_selection(run, grid, selection, s.get("valid_zero_shot"))
         for m in methods:
             s[f"eval_{m}"] = run.stage(f"eval_{m}", f"eval/{m}", lambda d, m=m: stage_eval(run, d, hf[m], m))
         s["report"] = run.stage("report", "report", lambda d: stage_report(run, d, s, methods))
@@ -794,6 +999,131 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
         run.close()
     s["_ran"], s["_skipped"] = run.ran, run.skipped
     return s
+
+
+def write_evidence(run: Run, out: pathlib.Path) -> None:
+    """What explains a run's results, small enough to keep beside them (README "Evidence"): every stage's
+    record, every training stage's per-step metrics, the ranked prompts' states, each ranking's candidate scores
+    and pairs (annotated with the oracle on the synthetic tasks), the validation curves and the policies'
+    behaviour."""
+    from sweet_jax import diagnostics
+
+    out.mkdir(parents=True, exist_ok=True)
+    stages = {}
+    for marker in sorted(run.workdir.glob(f"**/{DONE}")):
+        if out not in marker.parents:
+            stages[str(marker.parent.relative_to(run.workdir))] = json.loads(marker.read_text())
+    write_json(out / "stages.json", stages)
+    for metrics in sorted(run.workdir.glob("**/train/metrics.jsonl")):
+        name = str(metrics.parent.parent.relative_to(run.workdir)).replace("/", "_")
+        shutil.copyfile(metrics, out / f"metrics_{name}.jsonl")
+    if (run.workdir / "selection.json").exists():
+        shutil.copyfile(run.workdir / "selection.json", out / "selection.json")
+    offline = run.path("offline", "trajectories.jsonl")
+    synthetic = run.config.tasks.source == "synthetic" and offline.exists()
+    if synthetic and run.path("candidates", DONE).exists():
+        trajs = _read_jsonl(offline)
+        write_json(out / "prompts.json", diagnostics.prompt_states(ranked_prompts(run, str(offline)), trajs))
+    for name in ("rank", "rank_no_info"):
+        pairs, scores = run.path(name, "pairs.jsonl"), run.path(name, "scores.jsonl")
+        if not pairs.exists():
+            continue
+        if synthetic:
+            write_jsonl(out / f"pairs_{name}.jsonl", diagnostics.pair_evidence(pairs, offline,
+                                                                               max_turns=run.config.eval.max_turns))
+        else:
+            write_jsonl(out / f"pairs_{name}.jsonl", [{k: v for k, v in r.items() if not k.endswith("_ids")}
+                                                       for r in _read_jsonl(pairs)])
+        if scores.exists():
+            rows = {(r["trajectory_index"], r["turn"]): r for r in _read_jsonl(scores)}  # a resumed batch: last
+            if synthetic:
+                rows = {k: diagnostics.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
+                        for k, r in rows.items()}
+            write_jsonl(out / f"scores_{name}.jsonl", [rows[k] for k in sorted(rows)])
+    if synthetic:
+        write_json(out / "behaviour.json", diagnostics.behaviour_diagnostics(run.workdir))
+
+
+def iterate_sweet(run: Run, s: dict, grid: Grid | None, selection: dict, round1_hf: str, offline: str):
+    """Rounds 2..config.iterate.rounds of SWEET-RL (configs/pipeline.py, `iterate`), each in rounds/<r>/. Returns
+    the chosen round's policy and, with validation, the rounds' validation results and the choice."""
+    c = run.config
+    start = run.starting_policy
+    if grid is not None and not grid.validate:
+        rounds = grid.frozen["sweet_iterative"]["round"] if "sweet_iterative" in grid.frozen else c.iterate.rounds
+    else:
+        rounds = c.iterate.rounds
+    if rounds < 1:
+        raise PipelineError(f"config.iterate.rounds={rounds}: use 1 or more (1 = SWEET-RL itself)")
+    policies, curve = {1: round1_hf}, {}
+    if grid is not None and grid.validate:
+        first = selection["sweet"]["choice"]
+        curve["1"] = dict(selection["sweet"]["curve"][f"{first['lr']:g}/{first['step']}"], round=1)
+    union = [offline]
+    for r in range(2, rounds + 1):
+        base, previous = f"rounds/{r}", policies[r - 1]
+
+        def stage(name, fn):
+            s[f"round{r}_{name}"] = run.stage(f"round{r}_{name}", f"{base}/{name}", fn)
+            return s[f"round{r}_{name}"]
+
+        collected = stage("offline", lambda d: stage_round_offline(run, d, previous, r))["trajectories"]
+        union.append(collected)
+        episodes = stage("episodes", lambda d: {"trajectories": str(_concatenate(union, d / "trajectories.jsonl"))})
+        critic = stage("critic", lambda d: stage_critic(run, d, start, episodes["trajectories"], use_info=True))
+        stage("candidates", lambda d: stage_candidates(run, d, previous, collected))
+        cands = str(run.path(base, "candidates", "candidates.jsonl"))
+        pairs = stage("rank", lambda d: stage_rank(run, d, start, critic["hf"], collected, cands, use_info=True))
+        if grid is None:
+            policies[r] = stage("policy", lambda d: stage_policy(run, d, "sweet", previous, pairs=pairs["file"]))["hf"]
+            continue
+        choice = selection["sweet"]["choice"] if grid.validate else grid.frozen["sweet"]
+        fixed = Grid([choice["lr"]], grid.steps, frozen={"sweet": choice})
+        trained = stage("policy", lambda d: stage_policy_grid(run, d, "sweet", previous, fixed, choice["lr"],
+                                                               pairs=pairs["file"]))
+        policies[r] = trained["hf"][str(choice["step"])]
+        if grid.validate:
+            v = stage("valid", lambda d: stage_eval(run, d, policies[r], "sweet_iterative", split="validation"))
+            curve[str(r)] = {"round": r, "lr": choice["lr"], "step": choice["step"], "success_rate": v["success_rate"],
+                             "tests_passed_pct": v["tests_passed_pct"], "turns_per_episode": v["turns_per_episode"]}
+    if not curve:
+        return policies[rounds], None
+    # the rule of `choose`, over rounds: success, then % tests passed, then fewer rounds
+    best = max(curve.values(), key=lambda x: (x["success_rate"], x["tests_passed_pct"], -x["round"]))
+    return policies[best["round"]], {"curve": curve, "choice": {"round": best["round"]}}
+
+
+def stage_round_offline(run: Run, d: pathlib.Path, policy_hf: str, round_index: int) -> dict:
+    """A round's episodes: the policy on the training tasks, as the offline stage collects them."""
+    c = run.config
+    collected = d / "collected.jsonl"
+    summary = play(run, policy_hf, load_task_split(run, "train"), collected, best_of=c.collect.best_of,
+                   temperature=c.collect.temperature, max_new_tokens=c.collect.max_new_tokens,
+                   batch_size=c.collect.batch_size, max_turns=c.collect.max_turns,
+                   seed=c.seed + 100 + 1000 * round_index)
+    return dict(summary, trajectories=str(collected))
+
+
+def _concatenate(paths: Sequence[str], out: pathlib.Path) -> pathlib.Path:
+    write_jsonl(out, [r for p in paths for r in _read_jsonl(p)])
+    return out
+
+
+def write_selection(run: Run, grid: Grid, selection: dict, zero_shot: dict | None) -> None:
+    """workdir/selection.json: every method's validation curve and choice (what select.frozen reads)."""
+    record = {"lrs": grid.lrs, "steps": grid.steps, "seed": run.config.seed,
+              "validation_tasks": run.config.tasks.num_validation, "episodes_per_task": run.config.eval.samples,
+              "zero_shot": None if zero_shot is None else {k: zero_shot[k] for k in ("success_rate",
+                                                                                     "tests_passed_pct")},
+              "methods": selection}
+    write_json(run.workdir / "selection.json", record)
+
+
+def write_json(path: pathlib.Path, value) -> None:
+    """value as indented JSON, written whole then renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def _check_same_config(config, workdir: pathlib.Path) -> None:

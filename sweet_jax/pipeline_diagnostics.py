@@ -1,9 +1,13 @@
 """Diagnostics of a pipeline run on the synthetic lookup tasks (sweet_jax.diagnostics), as JSON:
 
-    python -m sweet_jax.pipeline_diagnostics WORKDIR
+    python -m sweet_jax.pipeline_diagnostics WORKDIR [--probes] [--out FILE]
 
-prints the rankings' agreement with the oracle (overall and by reply kind) and each policy's behaviour
-(questions on the task's keys, answers, copy accuracy of the values the user stated).
+prints the rankings' agreement with the oracle (overall, by reply kind and state, ties counted) and each
+policy's behaviour (questions on the task's keys, answers, copy accuracy of the values the user stated).
+--probes adds the models' probes (sweet_jax.probes: P(answer) by state for the starting policy with and without
+the agent prompt and for every kept checkpoint of the SWEET-RL runs, the implicit margin of a correct answer over
+a repeated question where every value is known, the critics' per-turn scores by kind and normalisation): a few
+minutes of forward passes on CPU for SmolLM2.
 """
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ def main(argv=None) -> None:
     parser = cli.ArgumentParser(prog="python -m sweet_jax.pipeline_diagnostics",
                                 description="Diagnostics of a pipeline run's rankings and policies (JSON).")
     parser.add_argument("workdir", help="a `python -m sweet_jax.pipeline` run directory")
-    workdir = pathlib.Path(parser.parse_args(sys.argv[1:] if argv is None else argv).workdir)
+    parser.add_argument("--probes", action="store_true", help="also probe the run's models (forward passes)")
+    parser.add_argument("--out", default="", help="write the JSON here too")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    workdir = pathlib.Path(args.workdir)
     if not workdir.is_dir():
         raise SweetJaxError(f"{workdir} is not a directory: pass the --workdir of a `python -m sweet_jax.pipeline` run")
     if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):
@@ -31,7 +38,71 @@ def main(argv=None) -> None:
     for name in ("rank", "rank_no_info"):
         if (workdir / name / "pairs.jsonl").exists():
             report["rankings"][name]["by_kind"] = pair_kinds(workdir / name / "pairs.jsonl", traj)
-    print(json.dumps(report, indent=2))
+    if args.probes:
+        report["probes"] = run_probes(workdir)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+def run_probes(workdir: pathlib.Path) -> dict:
+    """sweet_jax.probes over a pipeline run: the starting policy, each SWEET-RL run's kept checkpoints and
+    final policy, the other trained policies, and the critics."""
+    import ml_collections
+
+    from sweet_jax import pipeline, probes, ranking, rundir
+    from sweet_jax.data import load_trajectories
+    from sweet_jax.data.pairs import trajectory_pairs
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.envs.prompts import AGENT_PROMPT
+    from sweet_jax.models import load_hf
+
+    config = ml_collections.ConfigDict(json.loads((workdir / "pipeline_config.json").read_text()))
+    run = pipeline.Run(config, workdir)
+    offline = workdir / "offline" / "trajectories.jsonl"
+    trajs = load_trajectories(offline)
+    records = [t.to_json() for t in trajs]
+    tokenizer = load_tokenizer(pipeline.tokenizer_dir(config))
+    start_hf = json.loads((workdir / "init" / "done.json").read_text())["summary"]["policy_hf"]
+    start = load_hf(start_hf)
+    system = AGENT_PROMPT if config.agent_prompt else None
+
+    every = ranking.turn_prompts(trajs)
+    ranked = pipeline.ranked_prompts(run, str(offline)) if (workdir / "candidates" / "done.json").exists() else every
+    ranked_states = probes.load_states(ranked, records)
+    ready = [p for p, st in zip(every, probes.load_states(every, records)) if st["all_known"]]
+    ready_tasks = [records[p.trajectory_index]["task"] for p in ready]
+    out: dict = {"ranked_prompts": len(ranked), "offline_prompts_with_every_value_known": len(ready)}
+
+    def policy_probes(model) -> dict:
+        return {"answer_probability": probes.answer_probability(model, tokenizer, ranked, ranked_states,
+                                                                system_prompt=system),
+                "answer_over_repeat": probes.answer_over_repeat(model, start, tokenizer, ready, ready_tasks,
+                                                                beta=config.sweet.beta)}
+
+    out["starting policy"] = policy_probes(start)
+    other = None if system else AGENT_PROMPT
+    out["starting policy, agent prompt " + ("off" if system else "on")] = {
+        "answer_probability": probes.answer_probability(start, tokenizer, ranked, ranked_states, system_prompt=other)}
+    for method in ("sweet", "sweet_no_info"):
+        train_dir = workdir / "policies" / method / "train"
+        for step in probes.checkpoint_steps(train_dir):
+            model = rundir.restore_model(train_dir, step)[0]
+            out[f"{method} step {step}"] = policy_probes(model)
+    for method in ("rft", "mtdpo", "sweet", "sweet_no_info"):
+        hf = workdir / "policies" / method / "hf"
+        if hf.is_dir():
+            out[f"{method} (final)"] = policy_probes(load_hf(str(hf)))
+    index = {id(t): i for i, t in enumerate(trajs)}
+    pairs = [(index[id(p.chosen)], index[id(p.rejected)])
+             for p in trajectory_pairs(trajs, rule=config.collect.get("pair_rule", "best_success"))]
+    for name, use_info in (("critic", True), ("critic_no_info", False)):
+        if (workdir / name / "hf").is_dir():
+            out[name] = probes.critic_turn_scores(load_hf(str(workdir / name / "hf")), start, tokenizer, trajs, pairs,
+                                                  use_info=use_info, info_template=config.rank.info_template,
+                                                  info_placement=config.rank.info_placement)
+    return out
 
 
 if __name__ == "__main__":

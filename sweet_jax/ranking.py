@@ -197,23 +197,28 @@ class ReplyScorer:
                 self.unscorable.append((prompt.key, str(e)))
                 seq = None
             seqs.append(seq)
-        scores = np.full(len(seqs), np.nan, np.float32)
-        scorable = [i for i, s in enumerate(seqs) if s is not None]
-        order = sorted(scorable, key=lambda i: len(seqs[i]))  # similar lengths share a batch
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            longest = max(len(seqs[i]) for i in rows)
-            T = -(-longest // self.bucket) * self.bucket
-            B = self.batch_size  # fixed rows: one compiled shape per length bucket
-            ids = np.full((B, T), self.pad, np.int32)
-            mask = np.zeros((B, T), np.int32)
-            turns = np.zeros((B, T), np.int32)
-            for r, i in enumerate(rows):
-                n = len(seqs[i])
-                ids[r, :n], mask[r, :n], turns[r, :n] = seqs[i].input_ids, 1, seqs[i].turn_ids
-            mask[len(rows):, 0] = 1  # padding rows attend to one token, never an empty row
-            scores[rows] = np.asarray(self.mean_logp(ids, mask, turns))[:len(rows)]
-        return scores
+        return score_sequences(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
+                               batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
+
+
+def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *, batch_size: int,
+                    bucket: int, pad: int) -> np.ndarray:
+    """[len(seqs)] mean log-prob of each (input_ids, turn_ids)'s turn-id-1 tokens (NaN for None), in fixed-size
+    batches of similar lengths padded to a multiple of `bucket`: one compiled shape per length bucket."""
+    scores = np.full(len(seqs), np.nan, np.float32)
+    order = sorted((i for i, s in enumerate(seqs) if s is not None), key=lambda i: len(seqs[i][0]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        T = -(-max(len(seqs[i][0]) for i in rows) // bucket) * bucket
+        ids = np.full((batch_size, T), pad, np.int32)
+        mask = np.zeros((batch_size, T), np.int32)
+        turns = np.zeros((batch_size, T), np.int32)
+        for r, i in enumerate(rows):
+            n = len(seqs[i][0])
+            ids[r, :n], mask[r, :n], turns[r, :n] = seqs[i][0], 1, seqs[i][1]
+        mask[len(rows):, 0] = 1  # padding rows attend to one token, never an empty row
+        scores[rows] = np.asarray(mean_logp(ids, mask, turns))[:len(rows)]
+    return scores
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,10 +226,11 @@ class ReplyScorer:
 # ----------------------------------------------------------------------------------------------------------
 
 def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Candidates], critic_logp: Callable,
-                         reference_logp, rank_reference: str) -> list[np.ndarray]:
+                         reference_logp, rank_reference: str, *, parts: list | None = None) -> list[np.ndarray]:
     """Each prompt's candidate scores (critic minus reference mean log-prob). The candidates of all the prompts
     go to each scorer in one call, so its fixed-size batches are filled across prompts (8 candidates of one
-    prompt would fill half of a 16-row batch) and sorted by length over all of them."""
+    prompt would fill half of a 16-row batch) and sorted by length over all of them. `parts`, when given, gets
+    each prompt's (critic, reference) mean log-probs."""
     items = [(prompt, t) for prompt, cands in zip(prompts, candidates, strict=True) for t in cands.texts]
     critic = np.asarray(critic_logp(items), np.float64)
     if rank_reference == "ref_with_info":
@@ -234,6 +240,8 @@ def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Can
     else:
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
     bounds = np.cumsum([len(c.texts) for c in candidates])[:-1]
+    if parts is not None:
+        parts += list(zip(np.split(critic, bounds), np.split(reference, bounds)))
     return np.split(critic - reference, bounds)
 
 
@@ -264,11 +272,13 @@ def _turn_seed(seed: int, key: tuple[int, int]) -> int:
 def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[TurnPrompt]], list[Candidates]],
                critic_logp: Callable, reference_logp: Callable | None, out_path, *,
                rank_reference: str = "ref_with_info", num_pairs: int = 4, seed: int = 0,
-               prompts_per_batch: int = 8, progress: bool = True, pairing: str = "strict") -> dict:
+               prompts_per_batch: int = 8, progress: bool = True, pairing: str = "strict",
+               scores_path=None) -> dict:
     """Sample, score and pair every prompt; append the pairs to out_path per batch; return counts.
 
     sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
-    log-probs (reference_logp unused with rank_reference='sampler')."""
+    log-probs (reference_logp unused with rank_reference='sampler'). scores_path, when given, gets a line per
+    turn with every candidate's critic and reference mean log-probs and advantage (what the pairs came from)."""
     from sweet_jax import jsonl
 
     if rank_reference not in RANK_REFERENCES:
@@ -289,7 +299,14 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
         batch = todo[start:start + prompts_per_batch]
         records = []
         sampled = sample_fn(batch)
-        advantages = candidate_advantages(batch, sampled, critic_logp, reference_logp, rank_reference)
+        parts: list = []
+        advantages = candidate_advantages(batch, sampled, critic_logp, reference_logp, rank_reference, parts=parts)
+        if scores_path is not None:
+            jsonl.append(scores_path, [
+                {"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": list(c.texts),
+                 "critic_logp": [float(x) for x in cr], "reference_logp": [float(x) for x in ref],
+                 "advantage": [float(x) for x in adv]}
+                for p, c, (cr, ref), adv in zip(batch, sampled, parts, advantages, strict=True)])
         for prompt, candidates, scores in zip(batch, sampled, advantages, strict=True):
             pairs = turn_pairs(prompt, candidates, scores, num_pairs=num_pairs, seed=seed,
                                rank_reference=rank_reference, pairing=pairing)

@@ -18,6 +18,7 @@ METHOD_NAMES = {
     "mtdpo": "Multi-Turn DPO",
     "sweet_no_info": "SWEET-RL w/o training-time information",
     "sweet": "SWEET-RL",
+    "sweet_iterative": "SWEET-RL, iterative rounds (beyond the paper)",
 }
 METRICS = (("tests_passed_pct", "% Tests Passed"), ("success_rate_pct", "Success Rate"))
 # The frontend track's (the paper's Table 1, right half): CLIP cosine x 100 and win rate against zero-shot.
@@ -71,6 +72,37 @@ def results_table(runs: Sequence[dict], *, title: str = "") -> str:
     if diag:
         lines += ["", "| Diagnostics | " + " | ".join(f"seed {s}" for s in seeds) + " |",
                   "|---|" + "---|" * len(runs)] + diag
+    for r in runs:
+        if r.get("selection"):
+            lines += ["", selection_table(r["selection"])]
+    return "\n".join(lines) + "\n"
+
+
+def selection_table(selection: dict) -> str:
+    """Markdown: each method's validation success rate (%) at every (learning rate, steps) of the grid, the
+    choice in bold (pipeline.write_selection's record); iterative rounds in a row of their own."""
+    cells = sorted({key for m in selection["methods"].values() for key in m["curve"] if "/" in key},
+                   key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
+    head = [f"lr {k.split('/')[0]}, {k.split('/')[1]} steps" for k in cells]
+    zero = selection.get("zero_shot")
+    lines = [f"Validation success rate (%), seed {selection.get('seed')}: {selection.get('validation_tasks')} tasks x "
+             f"{selection.get('episodes_per_task')} episodes" + (f"; the starting policy: {100 * zero['success_rate']:.1f}"
+                                                                 if zero else "") + "; bold = chosen.", "",
+             "| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for m, record in selection["methods"].items():
+        choice = record["choice"]
+        if "round" in choice:
+            rounds = " · ".join(("**{:.1f}**" if int(k) == choice["round"] else "{:.1f}").format(
+                100 * v["success_rate"]) + f" (round {k})" for k, v in sorted(record["curve"].items()))
+            lines.append(f"| {METHOD_NAMES.get(m, m)} | {rounds} |" + " |" * (len(head) - 1))
+            continue
+        row = []
+        for k in cells:
+            v = record["curve"].get(k)
+            text = "" if v is None else f"{100 * v['success_rate']:.1f}"
+            row.append(f"**{text}**" if v is not None and (v["lr"], v["step"]) == (choice["lr"], choice["step"])
+                       else text)
+        lines.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 

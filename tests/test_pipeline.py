@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import re
 import subprocess
 import sys
@@ -212,6 +213,158 @@ def test_another_seed_reuses_the_starting_policy_of_a_finished_run(workdir, tmp_
         pipeline.stage_init(pipeline.Run(c, tmp_path / "other"), tmp_path / "other")
 
 
+def test_the_ranking_keeps_every_candidates_scores_and_the_run_its_evidence(workdir):
+    cands = {(c["trajectory_index"], c["turn"]): c for c in read_jsonl(workdir / "candidates/candidates.jsonl")}
+    for rank_dir in ("rank", "rank_no_info"):
+        scores = {(r["trajectory_index"], r["turn"]): r for r in read_jsonl(workdir / rank_dir / "scores.jsonl")}
+        assert scores.keys() == cands.keys()
+        for key, r in scores.items():
+            assert r["texts"] == cands[key]["texts"]
+            np.testing.assert_allclose(r["advantage"], np.subtract(r["critic_logp"], r["reference_logp"]))
+        for p in read_jsonl(workdir / rank_dir / "pairs.jsonl"):   # each pair's scores are its candidates'
+            r = scores[(p["trajectory_index"], p["turn"])]
+            assert p["chosen_score"] == pytest.approx(r["advantage"][r["texts"].index(p["chosen"])])
+    evidence = workdir / "evidence"
+    stages = json.loads((evidence / "stages.json").read_text())
+    assert {"init", "critic", "rank", "policies/sweet", "eval/sweet"} <= set(stages)
+    metrics = read_jsonl(evidence / "metrics_policies_sweet.jsonl")
+    steps = [m["step"] for m in metrics if "chosen_logp" in m]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == 2    # every step of the DPO run
+    pairs = read_jsonl(evidence / "pairs_rank.jsonl")
+    assert len(pairs) == len(read_jsonl(workdir / "rank/pairs.jsonl"))
+    assert all(p["verdict"] in ("agree", "disagree", "tie") and p["chosen_kind"] for p in pairs)
+    assert json.loads((evidence / "prompts.json").read_text())["prompts"] == 8
+    assert all(len(r["kinds"]) == 4 for r in read_jsonl(evidence / "scores_rank.jsonl"))
+
+
+def _selection_run(workdir, dst, *extra):
+    """A copy of the finished test run with the tasks stage redone (to draw validation tasks) and no policy, eval
+    or report stage, rerun with `extra`: the selection reuses its starting policy, critics and rankings."""
+    import shutil
+    shutil.copytree(workdir, dst, ignore=shutil.ignore_patterns("policies", "eval", "report", "evidence"))
+    (dst / "tasks" / "done.json").unlink()
+    return run_cli(dst, "--config.methods=zero_shot,sweet,sweet_iterative", "--config.iterate.rounds=2",
+                   "--config.tasks.num_validation=3", "--config.select.lrs=1e-3,3e-3", *extra, timeout=1500)
+
+
+def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(workdir, tmp_path):
+    proc = _selection_run(workdir, tmp_path / "select", "--config.select.steps=1,2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    sel_dir = tmp_path / "select"
+    validation = {t.key for t in load_tasks(sel_dir / "tasks/validation.jsonl")}
+    others = {t.key for split in ("train", "heldout") for t in load_tasks(sel_dir / f"tasks/{split}.jsonl")}
+    demos = {t.task.key for t in load_trajectories(sel_dir / "init/demos.jsonl")}
+    assert len(validation) == 3 and not validation & others and not validation & demos
+    assert load_tasks(sel_dir / "tasks/train.jsonl") == load_tasks(workdir / "tasks/train.jsonl")  # unchanged draw
+    selection = json.loads((sel_dir / "selection.json").read_text())
+    curve = selection["methods"]["sweet"]["curve"]
+    assert sorted(curve) == ["0.001/1", "0.001/2", "0.003/1", "0.003/2"]
+    for cell in curve.values():   # each point of the curve is its checkpoint played on the validation tasks
+        trajs = load_trajectories(sel_dir / f"valid/sweet/lr{cell['lr']:g}_step{cell['step']}/trajectories.jsonl")
+        assert {t.task.key for t in trajs} == validation
+        assert cell["success_rate"] == pytest.approx(np.mean([t.reward == 1.0 for t in trajs]))
+    best = max(curve.values(), key=lambda r: (r["success_rate"], r["tests_passed_pct"], -r["step"], -r["lr"]))
+    choice = selection["methods"]["sweet"]["choice"]
+    assert choice == {"lr": best["lr"], "step": best["step"]}
+    policy = json.loads((sel_dir / "eval/sweet/done.json").read_text())["summary"]["policy"]
+    assert policy == str(sel_dir / f"policies/sweet/lr{choice['lr']:g}/step{choice['step']}/hf")
+    assert not list(sel_dir.glob("policies/sweet/*/train/checkpoints"))   # exported, then deleted
+    assert json.loads((sel_dir / "results.json").read_text())["selection"]["methods"]["sweet"]["choice"] == choice
+
+    # iterative SWEET-RL: round 2 collects the chosen SWEET-RL policy's episodes and trains DPO from that policy
+    rounds = selection["methods"]["sweet_iterative"]
+    assert sorted(rounds["curve"]) == ["1", "2"] and rounds["curve"]["1"]["success_rate"] == best["success_rate"]
+    round1 = str(sel_dir / f"policies/sweet/lr{choice['lr']:g}/step{choice['step']}/hf")
+    offline2 = json.loads((sel_dir / "rounds/2/offline/done.json").read_text())["summary"]
+    assert offline2["episodes"] == 12 * 2
+    config2 = json.loads((sel_dir / "rounds/2/policy/train/config.json").read_text())
+    assert config2["model"]["path"] == round1 and config2["optim"]["lr"] == choice["lr"]
+    critic2 = json.loads((sel_dir / "rounds/2/critic/train/config.json").read_text())
+    assert critic2["model"]["path"] == str(sel_dir / "init/policy_hf")      # every critic starts from pi_ref
+    assert len(read_jsonl(sel_dir / "rounds/2/episodes/trajectories.jsonl")) == 48 + 24   # both rounds' episodes
+    best_round = rounds["choice"]["round"]
+    iterative = json.loads((sel_dir / "eval/sweet_iterative/done.json").read_text())["summary"]["policy"]
+    assert iterative == (round1 if best_round == 1 else str(sel_dir / f"rounds/2/policy/step{choice['step']}/hf"))
+
+    # another seed trains the chosen learning rate on the same schedule and plays the chosen step, no validation
+    proc = _selection_run(workdir, tmp_path / "frozen", f"--config.select.frozen={sel_dir / 'selection.json'}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    frozen = tmp_path / "frozen"
+    assert not (frozen / "valid").exists() and [d.name for d in (frozen / "policies/sweet").iterdir()] == [
+        f"lr{choice['lr']:g}"]
+    summary = json.loads((frozen / f"policies/sweet/lr{choice['lr']:g}/done.json").read_text())["summary"]
+    assert summary["steps"] == 2 and list(summary["hf"]) == [str(choice["step"])]
+    assert (frozen / "rounds/2").exists() == (best_round == 2) and not list(frozen.glob("rounds/*/valid"))
+    if choice["step"] == 2:   # the same seed and data: the chosen checkpoint is the same model
+        a = hf_params(frozen / "policies/sweet/lr{:g}/step2/hf".format(choice["lr"]))
+        b = hf_params(sel_dir / "policies/sweet/lr{:g}/step2/hf".format(choice["lr"]))
+        assert all(np.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_turn_selection_follows_the_official_rule_or_balances_states():
+    from sweet_jax import diagnostics, ranking
+    from sweet_jax.data import synthetic
+    from sweet_jax.data.schema import Trajectory
+
+    tasks = synthetic.make_tasks(10, seed=3, min_keys=2, max_keys=2)
+    trajs = []
+    for i, task in enumerate(tasks):    # even trajectories ask every key before answering, odd ones answer at once
+        replies = synthetic.scripted_replies(task, "thorough" if i % 2 == 0 else "naive", random.Random(i))
+        dialogue = [{"role": "user", "content": task["problem_description"]}]
+        for r in replies:
+            dialogue.append({"role": "assistant", "content": r})
+            dialogue.append({"role": "user", "content": synthetic.simulator_reply(task, dialogue)})
+        trajs.append(Trajectory.from_json({"task": task, "dialogue_history": dialogue[:-1], "reward": 0.5}))
+    prompts = ranking.turn_prompts(trajs)
+    official = pipeline.select_turn_prompts(prompts, "trajectories", max_prompts=0, data_fraction=0.2, seed=0)
+    assert official == [p for p in prompts if p.trajectory_index in (0, 1)]   # every turn of the first 20%
+    assert pipeline.select_turn_prompts(prompts, "trajectories", max_prompts=2, data_fraction=0.2, seed=0) == \
+        official[:2]
+    ready = lambda ps: sum(diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in ps)  # noqa: E731
+    assert ready(prompts) == 5                        # the thorough episodes' answer turns
+    balanced = pipeline.select_turn_prompts(prompts, "balanced", max_prompts=8, data_fraction=1.0, seed=0,
+                                            tasks=tasks)
+    assert len(balanced) == 8 and ready(balanced) == 4
+    sampled = pipeline.select_turn_prompts(prompts, "sample", max_prompts=8, data_fraction=1.0, seed=0)
+    assert len(sampled) == 8 and len(set(p.key for p in sampled)) == 8
+    with pytest.raises(pipeline.PipelineError, match="data_fraction"):
+        pipeline.select_turn_prompts(prompts, "trajectories", max_prompts=0, data_fraction=0.01, seed=0)
+
+
+def test_probes_of_a_run_match_transformers_and_the_reference(workdir):
+    import torch
+    import transformers
+
+    from sweet_jax import probes, ranking
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.envs import ANSWER_MARKER
+    from sweet_jax.models import load_hf
+    from sweet_jax.pipeline_diagnostics import run_probes
+
+    report = run_probes(workdir)
+    start = report["starting policy"]
+    assert start["answer_over_repeat"]["prompts"] > 0 and start["answer_over_repeat"]["mean_margin"] == 0.0
+    assert report["sweet step 2"]["answer_over_repeat"]["prompts"] == start["answer_over_repeat"]["prompts"]
+    for key in ("starting policy", "starting policy, agent prompt on", "sweet (final)"):
+        p = report[key]["answer_probability"]["all prompts"]
+        assert p["prompts"] == 8 and 0.0 < p["mean"] < 1.0
+    assert report["critic"]["turns_scored"] > 0 and set(report["critic"]["pair_accuracy"]) == {
+        "turn_mean", "trajectory_mean"}
+
+    # P(reply starts with the answer marker) is the product of the marker tokens' probabilities in transformers
+    trajs = load_trajectories(workdir / "offline/trajectories.jsonl")
+    prompt = ranking.turn_prompts(trajs)[0]
+    hf = str(workdir / "init/policy_hf")
+    tok = load_tokenizer(hf)
+    ids, turns = probes.prefix_sequence(tok, prompt, ANSWER_MARKER)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    want = sum(float(logp[i - 1, ids[i]]) for i in range(len(ids)) if turns[i] == 1)
+    got = probes.summed_logps(load_hf(hf), tok, [(ids, turns)])[0]
+    assert got == pytest.approx(want, abs=1e-3)
+
+
 def test_mean_table_over_seeds():
     def run(seed, sweet):
         return {"seed": seed, "model": "m", "heldout_tasks": 4, "methods": {
@@ -221,6 +374,22 @@ def test_mean_table_over_seeds():
     assert "| SWEET-RL | 30.0 ± 10.0 | 15.0 ± 5.0 |" in table
     assert "| Zero-Shot | 10.0 ± 0.0 | 0.0 ± 0.0 |" in table
     assert "seeds: 0, 1" in table
+
+
+def test_the_table_shows_the_validation_grid_with_the_choice():
+    cell = lambda lr, step, success: {"lr": lr, "step": step, "success_rate": success,  # noqa: E731
+                                      "tests_passed_pct": 50.0}
+    selection = {"seed": 0, "validation_tasks": 32, "episodes_per_task": 2, "zero_shot": {"success_rate": 0.2},
+                 "methods": {
+                     "sweet": {"curve": {"3e-06/8": cell(3e-6, 8, 0.25), "1e-05/8": cell(1e-5, 8, 0.5)},
+                               "choice": {"lr": 1e-5, "step": 8}},
+                     "sweet_iterative": {"curve": {"1": {"success_rate": 0.5}, "2": {"success_rate": 0.625}},
+                                         "choice": {"round": 2}}}}
+    table = results_lib.selection_table(selection)
+    assert "| method | lr 3e-06, 8 steps | lr 1e-05, 8 steps |" in table
+    assert "| SWEET-RL | 25.0 | **50.0** |" in table
+    assert "50.0 (round 1) · **62.5** (round 2)" in table
+    assert "the starting policy: 20.0" in table
 
 
 def test_colbench_8b_preset_is_complete():
