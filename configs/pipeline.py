@@ -41,7 +41,7 @@ def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_
     s.label_smoothing = label_smoothing
     s.advantage_norm = advantage_norm  # turn_mean (paper) | trajectory_mean (official code) | sum
     s.eval_fraction = eval_fraction    # fraction of this stage's *tasks* held out for its own eval metrics
-    s.ckpt_every = ckpt_every          # > 0: keep a checkpoint every this many steps (the run's trajectory, as evidence)
+    s.ckpt_every = ckpt_every          # > 0: keep a checkpoint every this many steps (evidence of the run's course)
     return s
 
 

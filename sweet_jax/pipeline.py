@@ -617,7 +617,9 @@ def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data
     rng = np.random.default_rng(seed)
 
     def sample(items, n):
-        return items if not n or n >= len(items) else [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
+        if not n or n >= len(items):
+            return items
+        return [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
 
     if selection == "trajectories":
         if not 0.0 < data_fraction <= 1.0:

@@ -79,7 +79,7 @@ def run_probes(workdir: pathlib.Path) -> dict:
         return {"answer_probability": probes.answer_probability(model, tokenizer, ranked, ranked_states,
                                                                 system_prompt=system),
                 "answer_over_repeat": probes.answer_over_repeat(model, start, tokenizer, ready, ready_tasks,
-                                                                beta=config.sweet.beta)}
+                                                                beta=config.sweet.beta, system_prompt=system)}
 
     out["starting policy"] = policy_probes(start)
     other = None if system else AGENT_PROMPT

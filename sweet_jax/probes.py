@@ -15,6 +15,7 @@ measurements behind README "Why SWEET-RL loses or wins here". Each is exact (a f
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Sequence
 
@@ -37,17 +38,25 @@ def summed_logps(model, tokenizer, seqs: Sequence[tuple[list[int], list[int]]], 
     return means * np.array([sum(1 for t in turns if t == 1) for _, turns in seqs], np.float64)
 
 
+def _from_messages(prompt: ranking.TurnPrompt) -> ranking.TurnPrompt:
+    """The prompt rendered from its messages, not from the recorded prompt string: so that the system prompt
+    given here, not the one of the collection, is the one probed."""
+    return dataclasses.replace(prompt, input_text=None)
+
+
 def prefix_sequence(tokenizer, prompt: ranking.TurnPrompt, prefix: str, *, system_prompt: str | None = None):
     """(ids, turn ids) of the prompt as the policy samples from it, followed by `prefix` as the start of its reply."""
-    ids, _ = ranking.prompt_ids(tokenizer, prompt, system_prompt=system_prompt)
+    ids, _ = ranking.prompt_ids(tokenizer, _from_messages(prompt), system_prompt=system_prompt)
     reply = list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
     return ids + reply, [0] * len(ids) + [1] * len(reply)
 
 
-def reply_sequence(tokenizer, prompt: ranking.TurnPrompt, reply: str):
+def reply_sequence(tokenizer, prompt: ranking.TurnPrompt, reply: str, *, system_prompt: str | None = None):
     """(ids, turn ids) of the prompt and a whole reply (its end-of-turn tokens included), as DPO scores it."""
-    rendered = ranking.critic_sequence(tokenizer, prompt, reply, info_template="", info_placement="system",
-                                       use_info=False)
+    from sweet_jax.data import render
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(prompt.messages)
+    rendered = render.render_dialogue(tokenizer, messages + [{"role": "assistant", "content": reply}], info=None,
+                                      label="last")
     return list(rendered.input_ids), [int(t == 1) for t in rendered.turn_ids]
 
 
@@ -74,17 +83,19 @@ def correct_answer_and_repeat(task: dict, prompt: ranking.TurnPrompt) -> tuple[s
 
 
 def answer_over_repeat(policy, reference, tokenizer, prompts: Sequence[ranking.TurnPrompt], tasks: Sequence[dict],
-                       *, beta: float) -> dict:
+                       *, beta: float, system_prompt: str | None = None) -> dict:
     """The implicit reward margin of the correct answer over a repeated question, at every given prompt (each
     must have every value known), under a DPO policy against its reference."""
     seqs = []
     for p, task in zip(prompts, tasks):
-        seqs += [reply_sequence(tokenizer, p, r) for r in correct_answer_and_repeat(task, p)]
+        seqs += [reply_sequence(tokenizer, p, r, system_prompt=system_prompt)
+                 for r in correct_answer_and_repeat(task, p)]
     if not seqs:
         return {"prompts": 0}
     rewards = beta * (summed_logps(policy, tokenizer, seqs) - summed_logps(reference, tokenizer, seqs))
     margins = rewards[0::2] - rewards[1::2]
-    return {"prompts": len(prompts), "mean_margin": float(margins.mean()), "share_positive": float((margins > 0).mean())}
+    return {"prompts": len(prompts), "mean_margin": float(margins.mean()),
+            "share_positive": float((margins > 0).mean())}
 
 
 def critic_turn_scores(critic, reference, tokenizer, trajectories: Sequence, pairs: Sequence[tuple[int, int]], *,

@@ -85,9 +85,9 @@ def selection_table(selection: dict) -> str:
                    key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
     head = [f"lr {k.split('/')[0]}, {k.split('/')[1]} steps" for k in cells]
     zero = selection.get("zero_shot")
+    start = f"; the starting policy: {100 * zero['success_rate']:.1f}" if zero else ""
     lines = [f"Validation success rate (%), seed {selection.get('seed')}: {selection.get('validation_tasks')} tasks x "
-             f"{selection.get('episodes_per_task')} episodes" + (f"; the starting policy: {100 * zero['success_rate']:.1f}"
-                                                                 if zero else "") + "; bold = chosen.", "",
+             f"{selection.get('episodes_per_task')} episodes{start}; bold = chosen.", "",
              "| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for m, record in selection["methods"].items():
         choice = record["choice"]

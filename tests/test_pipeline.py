@@ -320,7 +320,8 @@ def test_turn_selection_follows_the_official_rule_or_balances_states():
     assert official == [p for p in prompts if p.trajectory_index in (0, 1)]   # every turn of the first 20%
     assert pipeline.select_turn_prompts(prompts, "trajectories", max_prompts=2, data_fraction=0.2, seed=0) == \
         official[:2]
-    ready = lambda ps: sum(diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in ps)  # noqa: E731
+    def ready(ps):
+        return sum(diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in ps)
     assert ready(prompts) == 5                        # the thorough episodes' answer turns
     balanced = pipeline.select_turn_prompts(prompts, "balanced", max_prompts=8, data_fraction=1.0, seed=0,
                                             tasks=tasks)
@@ -415,7 +416,8 @@ def _floor_task():
     from sweet_jax.data import synthetic
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)
-    answer = lambda values: "I WANT TO ANSWER:\n" + synthetic.lookup_code(theme.function, theme.argument, values)  # noqa: E731
+    def answer(values):
+        return "I WANT TO ANSWER:\n" + synthetic.lookup_code(theme.function, theme.argument, values)
     return task, truth, answer
 
 
