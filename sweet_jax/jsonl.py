@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Iterable, Iterator
 
 from sweet_jax.errors import SweetJaxError
@@ -34,6 +35,15 @@ class DataError(SweetJaxError):
         self.where, self.field, self.reason = where, field, message
         parts = [p for p in (where, f"field '{field}'" if field else "") if p]
         super().__init__((": ".join(parts) + ": " if parts else "") + message)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs \\ud83d\\ude00; what is left is lone
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def replace_lone_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (no UTF-8 file can hold one) replaced by U+FFFD."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _path(path):
