@@ -117,12 +117,18 @@ def parse(text: str, where: str) -> dict:
         raise DataError(f"malformed JSON ({e.msg} at column {e.colno})", where=where) from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}", where=where)
+    refuse_lone_surrogates(obj, text, where)
+    return obj
+
+
+def refuse_lone_surrogates(obj, text: str, where: str) -> None:
+    """A DataError naming `where` and the field when the object parsed from the line `text` holds a lone
+    surrogate; every reader of JSONL records calls it (jsonl.parse, data.schema)."""
     if _SURROGATE_ESCAPE.search(text):  # rare: only then walk the object
         field = _lone_surrogate_field(obj)
         if field is not None:
             raise DataError("holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not text; "
                             "fix or drop the record", where=where, field=field)
-    return obj
 
 
 def _lone_surrogate_field(obj, prefix: str = "") -> str | None:

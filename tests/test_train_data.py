@@ -196,3 +196,15 @@ def test_trajectories_that_are_not_jsonl_text_are_one_config_error(data, tokeniz
                       "late_latin1": lambda: b" " * 9000 + b"\n" + b"\xe9" * 40}[kind]())
     with pytest.raises(TrainConfigError, match=rf"data.trajectories=.*{expected}"):
         datasets.build_datasets(critic_config(path), tokenizer)
+
+
+def test_a_lone_surrogate_in_a_dialogue_is_one_config_error_naming_its_line_and_field(data, tokenizer, tmp_path):
+    from sweet_jax.config_utils import TrainConfigError
+    rows = data.read_text().splitlines()
+    bad = json.loads(rows[1])
+    bad["dialogue_history"][0]["content"] = "caf\ud800"
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join([rows[0], json.dumps(bad)] + rows[2:]) + "\n")  # json.dumps escapes it: \ud800
+    with pytest.raises(TrainConfigError, match=re.escape(f"{path}:2: field 'dialogue_history.0.content': holds a "
+                                                         "lone surrogate")):
+        datasets.build_datasets(critic_config(path), tokenizer)
