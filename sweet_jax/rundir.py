@@ -146,7 +146,10 @@ def read_config(workdir):
     path = _path(workdir) / CONFIG_FILE
     if not path.exists():
         raise RunDirError(f"{path} does not exist: --workdir must be the directory of a training run")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except (ValueError, UnicodeDecodeError):
+        raise RunDirError(f"{path} is not JSON (damaged?): restore it from {CONFIG_TEXT} beside it") from None
 
 
 def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
