@@ -267,3 +267,18 @@ def test_a_template_that_rewrites_replies_falls_back_to_the_prefix_renders_and_i
                          "\n\n{% endif %}")
     with pytest.raises(RenderError, match="rewrites replies"):
         render_dialogue(tok, DIALOGUE)
+
+
+@pytest.mark.parametrize("template, bound", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "ran past 1 s"),
+    ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}{{ m['content'] }}"
+     "{% endfor %}{% endfor %}{% endfor %}", "wrote .* characters"),
+])
+def test_a_hostile_chat_template_is_stopped_at_its_time_or_size_bound(bpe_dir, monkeypatch, template, bound):
+    from sweet_jax.data import tokenizers
+    monkeypatch.setattr(tokenizers, "TEMPLATE_SECONDS", 1.0)
+    monkeypatch.setattr(tokenizers, "TEMPLATE_MAX_CHARS", 1 << 20)
+    tok = load_tokenizer(bpe_dir)
+    tok.chat_template = template
+    with pytest.raises(tokenizers.TemplateBoundError, match=bound):
+        render_dialogue(tok, DIALOGUE)

@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from sweet_jax.data.schema import Trajectory, Turn
-from sweet_jax.data.tokenizers import TokenizerError, end_of_turn_ids
+from sweet_jax.data.tokenizers import TokenizerError, apply_chat_template, end_of_turn_ids
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ def _template(tokenizer, messages, *, add_generation_prompt: bool) -> str:
     if not messages:
         return ""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    except TokenizerError:
+        raise
     except Exception as e:  # jinja raise_exception and friends: say which template and why
         raise RenderError(f"the tokenizer's chat template failed on this dialogue: {type(e).__name__}: {e}") from e
 
