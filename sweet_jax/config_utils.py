@@ -192,6 +192,43 @@ RANK_RANGES = {
 }
 
 
+# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' values are checked
+# again as training configs (TRAIN_RANGES) when each stage starts.
+_STAGE_RANGES = {"num_steps": (int, at_least(0), "0 = from epochs"), "epochs": (int, at_least(0), "passes"),
+                 "lr": TRAIN_RANGES["optim.lr"], "warmup_ratio": TRAIN_RANGES["optim.warmup_ratio"],
+                 "batch_size": TRAIN_RANGES["train.batch_size"], "beta": TRAIN_RANGES["loss.beta"],
+                 "nll_coef": TRAIN_RANGES["loss.nll_coef"], "label_smoothing": TRAIN_RANGES["loss.label_smoothing"],
+                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"]}
+PIPELINE_RANGES = {
+    "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
+    "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
+    "tasks.min_keys": (int, above(0), "keys of a synthetic task"), "tasks.max_keys": (int, above(0), "keys"),
+    "model.hidden_size": (int, above(0), "width"), "model.intermediate_size": (int, above(0), "MLP width"),
+    "model.num_layers": (int, above(0), "layers"), "model.num_heads": (int, above(0), "heads"),
+    "model.num_kv_heads": (int, above(0), "KV heads"), "model.head_dim": (int, above(0), "head width"),
+    "init.seed": (int, at_least(0), "a seed"), "init.num_tasks": (int, at_least(0), "0 = the training tasks"),
+    "init.demos_per_task": (int, above(0), "demonstrations per task"),
+    "collect.best_of": (int, above(0), "episodes per task"), "collect.temperature": SAMPLING_RANGES["temperature"],
+    "collect.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "collect.batch_size": (int, above(0), "episodes"),
+    "collect.max_turns": (int, above(0), "agent turns"), "collect.scripted_per_task": (int, at_least(0), "episodes"),
+    "rank.max_prompts": (int, at_least(0), "0 = all"),
+    "rank.num_candidates": RANK_RANGES["num_candidates"], "rank.num_pairs": RANK_RANGES["num_pairs"],
+    "rank.temperature": RANK_RANGES["temperature"], "rank.max_new_tokens": RANK_RANGES["max_new_tokens"],
+    "rank.score_batch_size": RANK_RANGES["score_batch_size"], "rank.prompts_per_batch": RANK_RANGES["prompts_per_batch"],
+    "rank.max_batch_size": RANK_RANGES["max_batch_size"],
+    "eval.samples": (int, above(0), "episodes per held-out task"), "eval.temperature": SAMPLING_RANGES["temperature"],
+    "eval.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "eval.batch_size": (int, above(0), "episodes"),
+    "eval.max_turns": (int, above(0), "agent turns"),
+    "train.max_len": TRAIN_RANGES["data.max_len"], "train.bucket": TRAIN_RANGES["data.bucket"],
+    "train.micro_batch_size": TRAIN_RANGES["train.micro_batch_size"],
+    "train.max_batch_size": (int, above(0), "sampler rows per call"),
+    "sandbox.workers": ROLLOUT_RANGES["sandbox.workers"], "sandbox.timeout_s": ROLLOUT_RANGES["sandbox.timeout_s"],
+    **{f"simulator.{k}": v for k, v in SIMULATOR_RANGES.items()},
+    **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
+    **{f"{stage}.{k}": v for stage in ("init.sft", "critic", "sweet", "mtdpo", "rft") for k, v in _STAGE_RANGES.items()},
+}
+
+
 def _show(lo, lo_closed, hi, hi_closed) -> str:
     if hi == INF:
         return f"{'>=' if lo_closed else '>'} {lo}"

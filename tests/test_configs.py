@@ -99,8 +99,12 @@ def test_every_training_preset_lies_within_the_numeric_ranges(spec):
 @pytest.mark.parametrize("spec, ranges", [(f"rollout.py:{p}", "ROLLOUT_RANGES") for p in
                                           ("demo", "demo_server", "collect_8b", "eval_8b", "official", "official_eval")]
                          + [(f"frontend.py:{p}", "ROLLOUT_RANGES") for p in ("rollout_demo", "collect_8b", "eval_8b")]
-                         + [(f"rank.py:{p}", "RANK_RANGES") for p in ("demo", "llama3_8b", "official")])
-def test_every_rollout_and_rank_preset_lies_within_the_numeric_ranges(spec, ranges):
+                         + [(f"rank.py:{p}", "RANK_RANGES") for p in ("demo", "llama3_8b", "official")]
+                         + [(f"pipeline.py:{p}", "PIPELINE_RANGES") for p in
+                            ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")]
+                         + [(f"frontend.py:{p}", "PIPELINE_RANGES") for p in
+                            ("frontend_demo", "frontend_test", "frontend_8b")])
+def test_every_rollout_rank_and_pipeline_preset_lies_within_the_numeric_ranges(spec, ranges):
     config_utils.check_ranges(parse(f"--config={REPO}/configs/{spec}"), getattr(config_utils, ranges))
 
 
@@ -148,3 +152,13 @@ def test_a_rollout_field_out_of_range_is_refused_before_anything_starts(field, v
     node[name] = value
     with pytest.raises(RolloutError, match=rf"config.{field}={value!r}: must be"):
         rollout.run(c)
+
+
+def test_a_pipeline_field_out_of_range_is_refused_before_any_stage(tmp_path):
+    from sweet_jax import pipeline
+    c = parse(f"--config={REPO}/configs/pipeline.py:test")
+    c.unlock()
+    c.critic.beta = -1.0
+    with pytest.raises(pipeline.PipelineError, match=r"config.critic.beta=-1.0: must be a number > 0"):
+        pipeline.run_pipeline(c, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

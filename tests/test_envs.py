@@ -108,7 +108,7 @@ class MisbehavingEndpoint:
 
     modes: 'ok', 'http500', 'timeout' (answers after `delay_s`), 'malformed' (JSON that does not parse),
     'bad_schema' (JSON without choices), 'http400', 'drip' (the answer a byte every 50 ms), 'huge' (a 3 MiB answer),
-    'surrogate' (a reply holding a lone surrogate, \\ud800).
+    'surrogate' (a reply holding a lone surrogate, \\ud800), 'overlong' (5000 tokens for any max_tokens).
     """
 
     def __init__(self, mode="ok", failures=10 ** 9, reply="Small coffee is 2 dollars.", delay_s=2.0):
@@ -142,6 +142,10 @@ class MisbehavingEndpoint:
                     return self._send(200, json.dumps(completion_body(endpoint.reply)).encode() + b" " * 400, 0.05)
                 if mode == "huge":
                     return self._send(200, json.dumps(completion_body("x" * (3 << 20))).encode())
+                if mode == "overlong":
+                    body = dict(completion_body("x " * 5000), usage={"prompt_tokens": 10, "completion_tokens": 5000,
+                                                                     "total_tokens": 5010})
+                    return self._send(200, json.dumps(body).encode())
                 if mode == "surrogate":
                     return self._send(200, json.dumps(completion_body("caf\ud800e")).encode())
                 return self._send(200, json.dumps(completion_body(endpoint.reply)).encode())
@@ -233,6 +237,13 @@ def test_a_slow_drip_answer_is_cut_at_the_request_deadline_then_retried():
 def test_an_answer_past_the_size_cap_is_not_read_whole_and_is_reported():
     with MisbehavingEndpoint("huge") as endpoint:
         with pytest.raises(SimulatorError, match="passed .* bytes|announces .* bytes"):
+            fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
+    assert endpoint.requests == 2
+
+
+def test_a_reply_of_more_tokens_than_asked_is_retried_then_reported():
+    with MisbehavingEndpoint("overlong") as endpoint:
+        with pytest.raises(SimulatorError, match="5000 completion tokens for max_tokens=256"):
             fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
     assert endpoint.requests == 2
 

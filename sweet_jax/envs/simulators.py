@@ -154,6 +154,9 @@ class OpenAISimulator(Simulator):
         content = completion.choices[0].message.content  # malformed bodies fail here and are retried
         if not isinstance(content, str):
             raise TypeError(f"the completion's message content is {type(content).__name__}, not text")
+        used = getattr(getattr(completion, "usage", None), "completion_tokens", None)
+        if isinstance(used, int) and used > self.max_tokens:  # an answer to another request: retried
+            raise ValueError(f"the endpoint reports {used} completion tokens for max_tokens={self.max_tokens}")
         return clean_reply(content)
 
     def reply(self, task, dialogue):
