@@ -198,7 +198,7 @@ _STAGE_RANGES = {"num_steps": (int, at_least(0), "0 = from epochs"), "epochs": (
                  "lr": TRAIN_RANGES["optim.lr"], "warmup_ratio": TRAIN_RANGES["optim.warmup_ratio"],
                  "batch_size": TRAIN_RANGES["train.batch_size"], "beta": TRAIN_RANGES["loss.beta"],
                  "nll_coef": TRAIN_RANGES["loss.nll_coef"], "label_smoothing": TRAIN_RANGES["loss.label_smoothing"],
-                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"]}
+                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"], "ckpt_every": TRAIN_RANGES["train.ckpt_every"]}
 PIPELINE_RANGES = {
     "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
     "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
