@@ -96,7 +96,7 @@ class LlamaConfig:
     def __post_init__(self):
         for field, limit in SIZE_LIMITS.items():
             value = getattr(self, field)
-            if type(value) is not int or not 1 <= value <= limit:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
                 raise ValueError(f"{field}={value!r}: expected an integer in [1, {limit}]")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
