@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 VIEWPORT = (1280, 800)         # (width, height) in CSS pixels: a common laptop screen, fixed for every page
 MAX_PAGE_HEIGHT = 8000         # full-page screenshots are cut here
-MAX_SCREENSHOT_PIXELS = VIEWPORT[0] * MAX_PAGE_HEIGHT  # a wider page is cut shorter
+MAX_SCREENSHOT_PIXELS = 2 * VIEWPORT[0] * MAX_PAGE_HEIGHT  # a page over two viewports wide is cut shorter
 MAX_SCREENSHOT_BYTES = 16 << 20  # an honest page's PNG is well under 2 MB; random pixels are ~3 bytes a pixel
 BROWSER_MEMORY_MB = 2048       # one browser with its page (honest pages use a few hundred MB)
 REFUSED_KEPT = 100             # refused proxy requests remembered (for tests and logs)
