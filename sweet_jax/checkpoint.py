@@ -8,7 +8,9 @@ an 8B model; export restores `params` alone), and
 
 Resume takes the latest checkpoint; if it cannot be read (a preempted save truncated a file, a disk
 filled up) the next older one is used, with a warning naming the bad step, and the bad directory is
-moved aside so later saves can reuse its step number. It never falls back silently to step 0.
+moved aside so later saves can reuse its step number. It never falls back silently to step 0: a checkpoint
+whose arrays have other shapes than the model now built (a config change of the parameter tree) is a
+CheckpointError that says so and moves nothing, and a directory whose checkpoints were all moved aside is one too.
 """
 from __future__ import annotations
 
@@ -86,11 +88,20 @@ class Checkpointer:
             if step not in steps:
                 raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (have {steps}); "
                                       "pass one of those steps")
+            self._check_shapes(step, abstract_items)
             return (step, *self._restore_step(step, abstract_items))
         if not steps:
+            moved = self.moved_aside()
+            if moved:
+                raise CheckpointError(
+                    f"{self.directory} holds no checkpoint, but {len(moved)} unreadable one(s) were moved to "
+                    f"{moved[0].parent} ({', '.join(p.name for p in moved[:5])}): this run trained before, and "
+                    f"starting from step 0 would discard that; move a good one back, or delete {moved[0].parent} "
+                    "to train from step 0")
             return None
         errors = []
         for candidate in reversed(steps):
+            self._check_shapes(candidate, abstract_items)  # a config change is not damage: nothing is moved
             try:
                 state, meta = self._restore_step(candidate, abstract_items)
             except Exception as e:  # orbax/tensorstore raise many types for a damaged file
@@ -105,6 +116,33 @@ class Checkpointer:
             return candidate, state, meta
         raise CheckpointError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(errors)}); "
                               "delete the directory to start from scratch or point --workdir elsewhere")
+
+    def moved_aside(self) -> list[pathlib.Path]:
+        """The checkpoint directories `quarantine` moved to ../corrupt_checkpoints/ (local runs)."""
+        root = pathlib.Path(str(self.directory.parent)) / "corrupt_checkpoints"
+        return sorted(p for p in root.iterdir() if p.is_dir()) if "://" not in str(self.directory) and \
+            root.is_dir() else []
+
+    def _check_shapes(self, step: int, abstract_items: dict[str, Any]) -> None:
+        """CheckpointError when step's saved arrays (from its metadata; an unreadable one is left to the restore
+        to judge as damage) are not the shapes and dtypes of `abstract_items`: the model changed, not the file."""
+        try:  # each item's own metadata file (the manager's item_metadata is None for items not yet opened)
+            handler = ocp.PyTreeCheckpointHandler()
+            saved_leaves = {name: [(tuple(m.shape), str(m.dtype)) for m in jax.tree.leaves(
+                handler.metadata(self.directory / str(step) / name).tree, is_leaf=lambda x: hasattr(x, "shape"))]
+                for name in abstract_items}
+        except Exception:  # noqa: BLE001 — damaged metadata: the restore below falls back past it
+            return
+        for name, target in abstract_items.items():
+            want = sorted((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(target) if hasattr(x, "shape"))
+            have = sorted(saved_leaves[name])
+            if want != have:
+                differ = sorted(set(have) ^ set(want))[:3] or [("same shapes", "different count")]
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} holds '{name}' of other shapes than the model now "
+                    f"built ({len(have)} arrays saved, {len(want)} now; e.g. {differ}): the config changed the "
+                    "parameter tree, the checkpoint is not damaged and was left in place. Rerun with the config it "
+                    "was trained with (see config_changes.jsonl), or pick another --workdir to train the new one")
 
     def _restore_step(self, step: int, abstract_items: dict[str, Any]) -> tuple[dict, dict]:
         args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract_items.items()}

@@ -156,6 +156,13 @@ def guarded(body: Callable[[], Any]) -> Any:
     except RunInterrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 — a full disk is one line; any other exception keeps its traceback
+        from sweet_jax.errors import disk_full, disk_full_message
+        full = disk_full(e)
+        if full is None:
+            raise
+        _debug_traceback()
+        exit_with_error(disk_full_message(full))
     except KeyboardInterrupt:
         _debug_traceback()
         print("interrupted (Ctrl-C)", file=sys.stderr)

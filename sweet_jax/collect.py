@@ -70,7 +70,8 @@ class SamplerPolicy:
         messages = list(messages)
         if self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from sweet_jax.data.tokenizers import apply_chat_template
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
 
     def act(self, dialogues: Sequence[Sequence[dict]]) -> list[PolicyReply]:
         prompts = [self.render(d) for d in dialogues]

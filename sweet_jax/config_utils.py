@@ -98,11 +98,166 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+# ==========================================================================================================
+# Numeric ranges: one row per field, checked once (check_ranges) before anything is built
+# ==========================================================================================================
+
+INF = float("inf")
+
+
+def closed(lo, hi=INF):
+    """[lo, hi]"""
+    return (lo, True, hi, True)
+
+
+def at_least(lo):
+    return (lo, True, INF, True)
+
+
+def above(lo):
+    """(lo, inf)"""
+    return (lo, False, INF, True)
+
+
+def between(lo, hi, *, hi_closed=False):
+    """[lo, hi) (or [lo, hi])"""
+    return (lo, True, hi, hi_closed)
+
+
+# field -> (type, range, what it means); int fields refuse floats and bools. (lora.* is checked by LoRAConfig.)
+TRAIN_RANGES = {
+    "model.attention_chunk_size": (int, above(0), "query rows per attention block"),
+    "data.max_len": (int, above(0), "tokens per sequence"),
+    "data.bucket": (int, above(0), "sequence lengths round up to a multiple of it"),
+    "data.eval_fraction": (float, between(0, 1), "fraction of tasks held out"),
+    "data.min_gap": (float, at_least(0), "minimum reward gap of a critic pair"),
+    "train.batch_size": (int, above(0), "pairs per optimiser step"),
+    "train.micro_batch_size": (int, at_least(0), "0 = automatic"),
+    "train.epochs": (int, at_least(0), "passes over the data"),
+    "train.num_steps": (int, at_least(0), "0 = from epochs"),
+    "train.seed": (int, at_least(0), "a seed"),
+    "train.log_every": (int, above(0), "a metrics line every N steps"),
+    "train.eval_every": (int, at_least(0), "0 = only at the end"),
+    "train.ckpt_every": (int, at_least(0), "0 = only at the end"),
+    "train.keep_ckpts": (int, above(0), "checkpoints kept (at least the newest)"),
+    "optim.lr": (float, at_least(0), "peak learning rate"),
+    "optim.warmup_ratio": (float, between(0, 1, hi_closed=True), "fraction of the steps warming up"),
+    "optim.final_ratio": (float, between(0, 1, hi_closed=True), "final lr as a fraction of the peak"),
+    "optim.b1": (float, between(0, 1), "Adam's first-moment decay"),
+    "optim.b2": (float, between(0, 1), "Adam's second-moment decay"),
+    "optim.weight_decay": (float, at_least(0), "AdamW's decoupled weight decay"),
+    "optim.clip": (float, above(0), "global gradient-norm clip"),
+    "loss.beta": (float, above(0), "scale of the log-ratio margins (<= 0 inverts or erases the preference)"),
+    "loss.nll_coef": (float, at_least(0), "weight of the chosen reply's NLL"),
+    "loss.label_smoothing": (float, between(0, 0.5), "probability a preference is flipped (>= 0.5 inverts it)"),
+}
+
+# The `policy.openai` block (policy_backend.openai_config) and the simulator's engine settings.
+ENGINE_RANGES = {
+    "port": (int, closed(0, 65535), "0 = a free port"),
+    "startup_timeout_s": (float, above(0), "seconds the started engine may take"),
+    "concurrency": (int, above(0), "requests in flight"),
+    "max_retries": (int, at_least(0), "retries of a failed request"),
+    "backoff_s": (float, at_least(0), "first retry's wait"),
+    "timeout_s": (float, above(0), "deadline of one request"),
+}
+SIMULATOR_RANGES = {"timeout_s": ENGINE_RANGES["timeout_s"], "max_retries": ENGINE_RANGES["max_retries"],
+                    "backoff_s": ENGINE_RANGES["backoff_s"], "concurrency": ENGINE_RANGES["concurrency"],
+                    "max_tokens": (int, above(0), "tokens of one simulator reply")}
+SAMPLING_RANGES = {"max_new_tokens": (int, above(0), "tokens of one reply"),
+                   "temperature": (float, at_least(0), "0 = greedy"),
+                   "top_p": (float, between(0, 1, hi_closed=True), "nucleus mass; 1 = off"),
+                   "top_k": (int, at_least(0), "0 = off")}
+
+ROLLOUT_RANGES = {
+    "num_tasks": (int, at_least(0), "0 = all"), "best_of": (int, above(0), "episodes per task"),
+    "max_turns": (int, above(0), "agent turns per episode"), "batch_size": (int, above(0), "episodes played together"),
+    "max_batch_size": (int, above(0), "sampler rows per call"), "seed": (int, at_least(0), "a seed"),
+    "sandbox.workers": (int, at_least(0), "0 = one per core"), "sandbox.timeout_s": (float, above(0), "per test case"),
+    **{f"sampling.{k}": v for k, v in SAMPLING_RANGES.items()},
+    **{f"simulator.{k}": v for k, v in SIMULATOR_RANGES.items()},
+    **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
+}
+
+RANK_RANGES = {
+    "num_trajectories": (int, at_least(0), "0 = all"), "critic_temperature": (float, above(0), "scoring temperature"),
+    "num_candidates": (int, closed(2), "candidates per turn (a pair needs two)"),
+    "num_pairs": (int, above(0), "pairs per turn"), "temperature": (float, at_least(0), "0 = greedy"),
+    "max_new_tokens": (int, above(0), "tokens of one candidate"), "max_len": (int, above(0), "longest critic sequence"),
+    "bucket": (int, above(0), "critic lengths round up to a multiple of it"),
+    "score_batch_size": (int, above(0), "critic sequences per pass"),
+    "prompts_per_batch": (int, above(0), "turns sampled together"),
+    "max_batch_size": (int, above(0), "sampler rows per call"), "seed": (int, at_least(0), "a seed"),
+    **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
+}
+
+
+# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' values are checked
+# again as training configs (TRAIN_RANGES) when each stage starts.
+_STAGE_RANGES = {"num_steps": (int, at_least(0), "0 = from epochs"), "epochs": (int, at_least(0), "passes"),
+                 "lr": TRAIN_RANGES["optim.lr"], "warmup_ratio": TRAIN_RANGES["optim.warmup_ratio"],
+                 "batch_size": TRAIN_RANGES["train.batch_size"], "beta": TRAIN_RANGES["loss.beta"],
+                 "nll_coef": TRAIN_RANGES["loss.nll_coef"], "label_smoothing": TRAIN_RANGES["loss.label_smoothing"],
+                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"], "ckpt_every": TRAIN_RANGES["train.ckpt_every"]}
+PIPELINE_RANGES = {
+    "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
+    "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
+    "tasks.min_keys": (int, above(0), "keys of a synthetic task"), "tasks.max_keys": (int, above(0), "keys"),
+    "model.hidden_size": (int, above(0), "width"), "model.intermediate_size": (int, above(0), "MLP width"),
+    "model.num_layers": (int, above(0), "layers"), "model.num_heads": (int, above(0), "heads"),
+    "model.num_kv_heads": (int, above(0), "KV heads"), "model.head_dim": (int, above(0), "head width"),
+    "init.seed": (int, at_least(0), "a seed"), "init.num_tasks": (int, at_least(0), "0 = the training tasks"),
+    "init.demos_per_task": (int, above(0), "demonstrations per task"),
+    "collect.best_of": (int, above(0), "episodes per task"), "collect.temperature": SAMPLING_RANGES["temperature"],
+    "collect.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "collect.batch_size": (int, above(0), "episodes"),
+    "collect.max_turns": (int, above(0), "agent turns"), "collect.scripted_per_task": (int, at_least(0), "episodes"),
+    "rank.max_prompts": (int, at_least(0), "0 = all"),
+    "rank.num_candidates": RANK_RANGES["num_candidates"], "rank.num_pairs": RANK_RANGES["num_pairs"],
+    "rank.temperature": RANK_RANGES["temperature"], "rank.max_new_tokens": RANK_RANGES["max_new_tokens"],
+    "rank.score_batch_size": RANK_RANGES["score_batch_size"], "rank.prompts_per_batch": RANK_RANGES["prompts_per_batch"],
+    "rank.max_batch_size": RANK_RANGES["max_batch_size"],
+    "eval.samples": (int, above(0), "episodes per held-out task"), "eval.temperature": SAMPLING_RANGES["temperature"],
+    "eval.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "eval.batch_size": (int, above(0), "episodes"),
+    "eval.max_turns": (int, above(0), "agent turns"),
+    "train.max_len": TRAIN_RANGES["data.max_len"], "train.bucket": TRAIN_RANGES["data.bucket"],
+    "train.micro_batch_size": TRAIN_RANGES["train.micro_batch_size"],
+    "train.max_batch_size": (int, above(0), "sampler rows per call"),
+    "sandbox.workers": ROLLOUT_RANGES["sandbox.workers"], "sandbox.timeout_s": ROLLOUT_RANGES["sandbox.timeout_s"],
+    **{f"simulator.{k}": v for k, v in SIMULATOR_RANGES.items()},
+    **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
+    **{f"{stage}.{k}": v for stage in ("init.sft", "critic", "sweet", "mtdpo", "rft") for k, v in _STAGE_RANGES.items()},
+}
+
+
+def _show(lo, lo_closed, hi, hi_closed) -> str:
+    if hi == INF:
+        return f"{'>=' if lo_closed else '>'} {lo}"
+    return f"in {'[' if lo_closed else '('}{lo}, {hi}{']' if hi_closed else ')'}"
+
+
+def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.") -> None:
+    """Every field of `ranges` present in `config` has its type and lies in its range (NaN never does); the first
+    that does not is an `error` (TrainConfigError) naming the field, its value, the range and what it means."""
+    error = error or TrainConfigError
+    for field, (kind, (lo, lo_closed, hi, hi_closed), meaning) in ranges.items():
+        try:
+            value = config_get(config, field)
+        except (KeyError, AttributeError):
+            continue  # an older or smaller config without this field
+        ok_type = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            kind is float or isinstance(value, int))
+        ok = ok_type and (value >= lo if lo_closed else value > lo) and (value <= hi if hi_closed else value < hi)
+        if not ok:  # NaN fails every comparison above
+            expected = f"{'an integer' if kind is int else 'a number'} {_show(lo, lo_closed, hi, hi_closed)}"
+            raise error(f"{prefix}{field}={value!r}: must be {expected} ({meaning}); set --{prefix}{field}")
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Values that are valid types but cannot work: fail before anything slow happens."""
     def need(cond, field, msg):
         if not cond:
             raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
+    check_ranges(config, TRAIN_RANGES)
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
     need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
@@ -116,13 +271,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
     need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
-    need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
     mb = config.train.micro_batch_size
-    need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",
+    need(mb == 0 or config.train.batch_size % mb == 0, "train.micro_batch_size",
          f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
     need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
-    need(config.data.max_len > 0 and config.data.bucket > 0, "data.max_len", "max_len and bucket must be > 0")
-    need(0.0 <= config.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
          "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
     shape = tuple(config.mesh.shape)

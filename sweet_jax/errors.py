@@ -2,6 +2,7 @@
 command-line entry points show them."""
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from typing import Callable, NoReturn, TypeVar
@@ -30,3 +31,27 @@ def cli_main(log: logging.Logger, body: Callable[[], T]) -> T:
     except SweetJaxError as e:
         log.debug("error details", exc_info=True)
         exit_with_error(str(e))
+    except Exception as e:  # noqa: BLE001 — only a full disk is answered here; anything else propagates
+        full = disk_full(e)
+        if full is None:
+            raise
+        log.debug("error details", exc_info=True)
+        exit_with_error(disk_full_message(full))
+
+
+def disk_full(error: BaseException) -> OSError | None:
+    """The ENOSPC (or EDQUOT) OSError behind `error` (itself, or its cause / context, as libraries wrap it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def disk_full_message(error: OSError) -> str:
+    where = f" writing {error.filename}" if getattr(error, "filename", None) else ""
+    return (f"no space left on the device{where}: free space (or point the output elsewhere) and rerun the same "
+            "command; what was written before is whole (records are appended or replaced atomically, a checkpoint "
+            "cut short is dropped) and a training run resumes from its last checkpoint")

@@ -449,7 +449,8 @@ class Sampler:
             raise GenerateError("the tokenizer has no chat_template; set one in tokenizer_config.json or "
                                 "pass rendered prompts to generate().")
         with self._tokenizer_lock:
-            text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            from sweet_jax.data.tokenizers import apply_chat_template
+            text = apply_chat_template(tok, messages, add_generation_prompt=True)
             # The template writes the BOS itself, so encode without adding special tokens again.
             return list(tok(text, add_special_tokens=False)["input_ids"])
 

@@ -4,22 +4,32 @@
                            that is a directory, a gzip/zip archive or a binary file is named as such.
   read(path, partial="drop"|"repair")
                            for files a crash may have cut short (append-only outputs): a last line without its
-                           newline is dropped (and with "repair" truncated from the file).
+                           newline that is not a whole JSON object is dropped (and with "repair" truncated from
+                           the file); a whole one is kept.
   lines(path)              (where = "file:line", text) of the non-blank lines, after the same checks.
-  append(path, records)    append + flush + fsync: once it returns the records survive a crash.
+  append(path, records)    append + flush + fsync: once it returns the records survive a crash; a last record
+                           without its newline gets one first, and a failed write (a full disk) is undone.
   write(path, records)     atomic: a temporary file beside `path`, renamed over it.
+
+Bounds: a line longer than MAX_LINE_BYTES is a DataError before it is held in memory; a string holding a lone
+surrogate (a \\ud800 escape: no UTF-8 file can store it, and tokenizers fail on it) is a DataError naming
+file:line and the field.
 
 Paths are anything etils.epath opens (local, gs://, ...). Records are dicts or objects with .to_json().
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from typing import Any, Iterable, Iterator
 
 from sweet_jax.errors import SweetJaxError
 
 SNIFF_BYTES = 8192
+MAX_LINE_BYTES = 64 << 20  # one record; the largest honest line (an official trajectory with every turn's
+                           # templated prompt at 8k tokens) is a few MB
 MAGIC = ((b"\x1f\x8b", "a gzip file; decompress it first (gunzip)"),
          (b"PK\x03\x04", "a zip archive; extract it first"),
          (b"BZh", "a bzip2 file; decompress it first (bunzip2)"),
@@ -34,6 +44,15 @@ class DataError(SweetJaxError):
         self.where, self.field, self.reason = where, field, message
         parts = [p for p in (where, f"field '{field}'" if field else "") if p]
         super().__init__((": ".join(parts) + ": " if parts else "") + message)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs \\ud83d\\ude00; what is left is lone
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def replace_lone_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (no UTF-8 file can hold one) replaced by U+FFFD."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _path(path):
@@ -62,11 +81,26 @@ def check_file(path) -> None:
             raise DataError(f"{path}: is not UTF-8 text (byte {e.start}); expected JSON Lines") from None
 
 
-def lines(path) -> Iterator[tuple[str, str]]:
-    """(f"{path}:{line number}", text) of every non-blank line, after check_file."""
+def _capped_lines(f, where: str, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of a binary file, never holding more than max_line_bytes of one line."""
+    n = 0
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > max_line_bytes and not (len(raw) == max_line_bytes + 1 and raw.endswith(b"\n")):
+            raise DataError(f"line longer than {max_line_bytes} bytes (jsonl.MAX_LINE_BYTES); a record that large "
+                            "is not ColBench data: check the file", where=f"{where}:{n}")
+        yield n, raw
+
+
+def lines(path, *, max_line_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+    """(f"{path}:{line number}", text) of every non-blank line, after check_file; a line longer than
+    max_line_bytes (default MAX_LINE_BYTES) is a DataError before it is read whole."""
     check_file(path)
     with _path(path).open("rb") as f:
-        for n, raw in enumerate(f, start=1):
+        for n, raw in _capped_lines(f, str(path), max_line_bytes or MAX_LINE_BYTES):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -76,14 +110,40 @@ def lines(path) -> Iterator[tuple[str, str]]:
 
 
 def parse(text: str, where: str) -> dict:
-    """One line -> its JSON object; anything else is a DataError at `where`."""
+    """One line -> its JSON object; anything else is a DataError at `where`, as is a lone surrogate in a string."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"malformed JSON ({e.msg} at column {e.colno})", where=where) from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}", where=where)
+    refuse_lone_surrogates(obj, text, where)
     return obj
+
+
+def refuse_lone_surrogates(obj, text: str, where: str) -> None:
+    """A DataError naming `where` and the field when the object parsed from the line `text` holds a lone
+    surrogate; every reader of JSONL records calls it (jsonl.parse, data.schema)."""
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then walk the object
+        field = _lone_surrogate_field(obj)
+        if field is not None:
+            raise DataError("holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not text; "
+                            "fix or drop the record", where=where, field=field)
+
+
+def _lone_surrogate_field(obj, prefix: str = "") -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, else None."""
+    if isinstance(obj, str):
+        return prefix or "(value)" if _LONE_SURROGATE.search(obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(key, str) and _LONE_SURROGATE.search(key):
+            return path
+        found = _lone_surrogate_field(value, path)
+        if found is not None:
+            return found
+    return None
 
 
 def read(path, *, partial: str = "error") -> list[dict]:
@@ -95,18 +155,19 @@ def read(path, *, partial: str = "error") -> list[dict]:
         if not p.exists():
             return []
         check_file(path)
-        data = p.read_bytes()
-        complete = data[:data.rfind(b"\n") + 1]
-        if len(complete) != len(data):
+        with p.open("rb") as f:
+            numbered = list(_capped_lines(f, str(path), MAX_LINE_BYTES))
+        if numbered and not numbered[-1][1].endswith(b"\n") and not _whole_object(numbered[-1][1]):
+            n, cut = numbered.pop()
             import logging
             logging.getLogger(__name__).warning(
                 "%s: %s a half-written last line (%d bytes) left by an interrupted run", path,
-                "truncating" if partial == "repair" else "ignoring", len(data) - len(complete))
+                "truncating" if partial == "repair" else "ignoring", len(cut))
             if partial == "repair":
                 with open(os.fspath(path), "r+b") as f:
-                    f.truncate(len(complete))
+                    f.truncate(f.seek(0, os.SEEK_END) - len(cut))
         out = []
-        for n, raw in enumerate(complete.split(b"\n"), start=1):
+        for n, raw in numbered:
             if raw.strip():
                 try:
                     text = raw.decode("utf-8")
@@ -117,19 +178,44 @@ def read(path, *, partial: str = "error") -> list[dict]:
     return [parse(text, where) for where, text in lines(path)]
 
 
+def _whole_object(raw: bytes) -> bool:
+    """A last line without its newline that is nevertheless a complete JSON object (kept, not dropped)."""
+    try:
+        return isinstance(json.loads(raw.decode("utf-8")), dict)
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
 def _dumps(record: Any) -> str:
-    return json.dumps(record.to_json() if hasattr(record, "to_json") else record, ensure_ascii=False) + "\n"
+    line = json.dumps(record.to_json() if hasattr(record, "to_json") else record, ensure_ascii=False) + "\n"
+    if _LONE_SURROGATE.search(line):  # refused on reading; here a last guard, so a final write never fails
+        import logging
+        logging.getLogger(__name__).warning("a record holds a lone surrogate; written as U+FFFD")
+        line = replace_lone_surrogates(line)
+    return line
 
 
 def append(path, records: Iterable[Any]) -> None:
-    """Append records, flush and fsync (local files)."""
+    """Append records, flush and fsync (local files). A file whose last record lacks its newline gets one first
+    (else the first new record would be glued to it and both lost); a write that fails (a full disk) is
+    truncated back, so the file holds whole records only."""
     text = "".join(_dumps(r) for r in records)
     if not text:
         return
-    with open(os.fspath(path), "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(os.fspath(path), "a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                text = "\n" + text
+        try:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
 
 
 def write(path, records: Iterable[Any]) -> None:

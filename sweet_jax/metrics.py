@@ -105,7 +105,8 @@ class MetricsWriter:
         self._written: set[tuple[int, str]] = set()  # (step, split): a rerun never logs a step twice
         if self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            from sweet_jax.rundir import write_atomic
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self._written = {(int(r.get("step", 0)), r.get("split", "train")) for r in kept}
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
@@ -118,8 +119,8 @@ class MetricsWriter:
         self._written.add((int(step), split))
         record = {"step": int(step), "split": split}
         record.update({k: _to_float(v) for k, v in scalars.items()})
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        from sweet_jax import jsonl
+        jsonl.append(self.path, [record])
         for k, v in record.items():
             if k not in ("step", "split") and isinstance(v, float) and math.isfinite(v):
                 self._tb.add_scalar(f"{split}/{k}", v, int(step))

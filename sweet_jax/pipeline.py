@@ -922,6 +922,8 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 
 def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report')."""
+    from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
+    check_ranges(config, PIPELINE_RANGES, PipelineError)
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

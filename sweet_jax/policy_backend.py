@@ -51,10 +51,16 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("in_process", "openai")
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids spelling of a token in logprobs.tokens
+LOGPROB_SLACK = 1e-5  # float rounding of a log-softmax at its maximum; a larger positive log-prob is an error
 
 
 class PolicyBackendError(SweetJaxError):
     """The policy's sampling backend cannot run (bad settings, an engine that does not start or answer)."""
+
+
+class AnswerError(Exception):
+    """An engine's answer that breaks what was asked (a token id outside the vocabulary, more tokens than
+    max_tokens, a log-prob per token missing, NaN or > 0, ...): the request is retried, never recorded."""
 
 
 def openai_config():
@@ -194,7 +200,7 @@ class OpenAISampler:
     def __init__(self, base_urls: Sequence[str], tokenizer, *, model: str = "", eos_token_ids: Sequence[int] = (),
                  max_position_embeddings: int = 2**31 - 1, api_key: str = "EMPTY", concurrency: int = 64,
                  max_retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 30.0, timeout_s: float = 600.0,
-                 engine: Engine | None = None, seed: int = 0):
+                 engine: Engine | None = None, seed: int = 0, vocab_size: int | None = None):
         import types
 
         import numpy as np
@@ -206,6 +212,8 @@ class OpenAISampler:
         self.tokenizer = tokenizer
         self.config = types.SimpleNamespace(max_position_embeddings=int(max_position_embeddings))
         self.eos_token_ids = [int(i) for i in eos_token_ids]
+        # The bound of a returned token id: the model's vocabulary (config.json), else the tokenizer's.
+        self.vocab_size = int(vocab_size) if vocab_size else len(tokenizer)
         self.api_key, self.concurrency = api_key, max(1, int(concurrency))
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.timeout_s, self.engine = timeout_s, engine
@@ -295,33 +303,58 @@ class OpenAISampler:
         raise PolicyBackendError(f"policy.openai.model is '' and GET /models answered no model name "
                                  f"({'; '.join(errors)}); set policy.openai.model to the served model name")
 
-    def _post(self, body: dict, index: int) -> dict:
+    def _post(self, body: dict, index: int, check: Callable[[dict], Any] = lambda answer: answer) -> Any:
         """POST /completions with retries: endpoint (index + attempt) of the list, so requests are spread
-        round-robin and a retry goes to the next endpoint."""
+        round-robin and a retry goes to the next endpoint. Each attempt has timeout_s for the whole request (not
+        per socket read) and a size cap from the request (http_bounds.answer_cap); its answer goes through
+        `check`, and one that breaks the request (AnswerError) is retried like a timeout, never returned."""
         import urllib3
 
+        from sweet_jax import http_bounds
+
         data = json.dumps(body).encode("utf-8")
-        timeout = urllib3.Timeout(connect=self.timeout_s, read=self.timeout_s)
+        cap = http_bounds.answer_cap(body.get("max_tokens", 1), body.get("n", 1))
         last = ""
         for attempt in range(self.max_retries + 1):
             url = self.base_urls[(index + attempt) % len(self.base_urls)]
             self.requests_sent += 1
+            deadline = time.monotonic() + self.timeout_s
+            r, read_whole = None, False
             try:
-                r = self._connections(url).request("POST", f"{url}/completions", body=data, timeout=timeout)
+                # total: the connection and the answer's headers within the deadline; the body under read_body.
+                r = self._connections(url).request("POST", f"{url}/completions", body=data, preload_content=False,
+                                                   timeout=urllib3.Timeout(total=self.timeout_s))
+                with http_bounds.watchdog(r.shutdown, deadline):  # urllib3 >= 2.3: interrupts a blocked read
+                    raw = http_bounds.read_body(r.stream(65536), deadline=deadline, max_bytes=cap,
+                                                timeout_s=self.timeout_s, where=url,
+                                                content_length=r.headers.get("content-length"))
+                read_whole = True
             except urllib3.exceptions.HTTPError as e:  # connection refused or reset, timeout, proxy error
                 last = f"{url}: {type(e).__name__}: {e}"
+            except http_bounds.AnswerBoundError as e:
+                last = str(e)
             else:
-                text = r.data.decode("utf-8", "replace")
+                text = raw.decode("utf-8", "replace")
                 if r.status == 200:
                     try:
-                        return json.loads(text)
+                        answer = json.loads(text)
                     except ValueError as e:
                         last = f"{url}: the answer is not JSON ({e}): {text[:200]}"
+                    else:
+                        try:
+                            return check(answer)
+                        except AnswerError as e:
+                            last = f"{url}: {e}"
                 elif r.status == 429 or r.status >= 500:
                     last = f"{url}: HTTP {r.status}: {text[:300]}"
                 else:  # the request itself is wrong: retrying cannot help
                     raise PolicyBackendError(f"the policy engine {url} refused a completion request: HTTP "
                                              f"{r.status}: {text[:500]}")
+            finally:
+                if r is not None:
+                    if not read_whole:  # a connection with half an answer in it is not reused
+                        r.close()
+                    r.release_conn()
             if attempt == self.max_retries:
                 break
             self.retries += 1
@@ -363,7 +396,8 @@ class OpenAISampler:
             bar = tqdm(total=len(bodies), desc="generate (openai)", unit="prompt")
 
         def one(j):
-            samples = self._samples(self._post(bodies[j], j), n, bodies[j]["prompt"])
+            samples = self._post(bodies[j], j, lambda answer: self._samples(answer, n, bodies[j]["prompt"],
+                                                                             int(max_new_tokens)))
             if bar is not None:
                 bar.update(1)
             return samples
@@ -376,7 +410,8 @@ class OpenAISampler:
             if bar is not None:
                 bar.close()
 
-    def _samples(self, response: dict, n: int, prompt_ids: list[int]) -> list[Any]:
+    def _samples(self, response: dict, n: int, prompt_ids: list[int], max_tokens: int) -> list[Any]:
+        """The n generate.Samples of one answer, each field checked against the request (AnswerError)."""
         from sweet_jax.generate import Sample
 
         try:
@@ -390,13 +425,33 @@ class OpenAISampler:
                                              "request with logprobs=1")
                 ids = self._token_ids(tokens)
                 finish = choice.get("finish_reason") or "length"
-                out.append(Sample(self._text(ids, finish), ids, [float(x) for x in logprobs], finish,
-                                  prompt_token_ids=prompt_ids))
+                checked = self._checked_logprobs(ids, logprobs, max_tokens)  # before anything decodes the ids
+                out.append(Sample(self._text(ids, finish), ids, checked, finish, prompt_token_ids=prompt_ids))
         except (KeyError, TypeError, AttributeError) as e:
-            raise PolicyBackendError(f"the policy engine's completion response is not the OpenAI shape "
-                                     f"({type(e).__name__}: {e}): {json.dumps(response)[:300]}") from None
+            raise AnswerError(f"the completion answer is not the OpenAI shape ({type(e).__name__}: {e}): "
+                              f"{json.dumps(response)[:300]}") from None
         if len(out) != n:
-            raise PolicyBackendError(f"the policy engine returned {len(out)} choices for n={n}")
+            raise AnswerError(f"the engine returned {len(out)} choices for n={n}")
+        return out
+
+    def _checked_logprobs(self, ids: list[int], logprobs: list, max_tokens: int) -> list[float]:
+        """One finite log-prob <= 0 per token, ids in [0, vocab_size), at most max_tokens of them (AnswerError)."""
+        import math
+
+        if len(ids) > max_tokens:
+            raise AnswerError(f"the engine returned {len(ids)} tokens for max_tokens={max_tokens}")
+        if len(logprobs) != len(ids):
+            raise AnswerError(f"the engine returned {len(ids)} tokens with {len(logprobs)} log-probs")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise AnswerError(f"the engine returned token ids {bad[:5]} outside the policy's vocabulary "
+                              f"[0, {self.vocab_size}); is it serving the same model?")
+        out = []
+        for x in logprobs:
+            value = float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+            if not math.isfinite(value) or value > LOGPROB_SLACK:
+                raise AnswerError(f"the engine returned the log-prob {x!r}; a token's log-prob is finite and <= 0")
+            out.append(min(value, 0.0))
         return out
 
     @staticmethod
@@ -442,6 +497,12 @@ def hf_eos_ids(hf_dir: str) -> tuple[list[int], int]:
     return eos, int(config.get("max_position_embeddings") or 2**31 - 1)
 
 
+def hf_vocab_size(hf_dir: str) -> int | None:
+    """vocab_size of a Hugging Face checkpoint's config.json (None when it has none)."""
+    size = json.loads((pathlib.Path(hf_dir) / "config.json").read_text()).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 @contextlib.contextmanager
 def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
                    load_in_process: Callable[[], Any], *, field: str = "policy.backend", seed: int = 0,
@@ -469,7 +530,7 @@ def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
         urls = [engine.url]
     sampler = None
     try:
-        sampler = OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos,
+        sampler = OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos, vocab_size=hf_vocab_size(hf_dir),
                                 max_position_embeddings=context, api_key=openai.api_key,
                                 concurrency=openai.concurrency, max_retries=openai.max_retries,
                                 backoff_s=openai.backoff_s, timeout_s=openai.timeout_s, engine=engine, seed=seed)

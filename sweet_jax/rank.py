@@ -18,8 +18,10 @@ log = logging.getLogger("sweet_jax.rank")
 
 def run(config) -> dict:
     from sweet_jax import policy_backend, rundir
+    from sweet_jax.config_utils import RANK_RANGES, check_ranges
     from sweet_jax.data import demo, schema
 
+    check_ranges(config, RANK_RANGES)
     mesh = rundir.make_mesh(config.mesh.shape)
     trajectories = schema.load_trajectories(config.trajectories or str(demo.paths().trajectories),
                                           skip_bad=config.skip_bad)

@@ -99,7 +99,8 @@ def prompt_ids(tokenizer, prompt: TurnPrompt, *, system_prompt: str | None = Non
         messages = list(prompt.messages)
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from sweet_jax.data.tokenizers import apply_chat_template
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
 

@@ -19,9 +19,11 @@ import pathlib
 
 from sweet_jax import collect, policy_backend, rundir
 from sweet_jax.collect import RolloutError, failures_path, summarize, summary_path
+from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 
 
 def run(config) -> dict:
+    check_ranges(config, ROLLOUT_RANGES, RolloutError)
     frontend = config.get("track", "backend") == "frontend"
     tasks = collect.load_task_list(config.tasks, config.num_tasks, frontend=frontend)
     if config.get("layout", "by_task") not in ("by_task", "official"):

@@ -6,6 +6,11 @@ A training run directory (`--workdir`) holds
   invocations.jsonl          one line per start: time, argv, git SHA, package versions, devices
   checkpoints/               Orbax checkpoints (params, optimiser state, data position, RNG)
   metrics.jsonl, tensorboard/, curves.png, summary.json (at the end)
+  .lock                      held (flock) by the one trainer running in it; its pid and start time inside
+
+Every record (config.json, config.txt, summary.json, ...) is written atomically (write_atomic): a crash or a full
+disk leaves the old file or the new one, never half of one. A directory that holds something else (a model's
+files, a config.json that is not a run's) is refused as a workdir (check_workdir).
 
 A model path is one of: a Hugging Face checkpoint directory (config.json + *.safetensors), a training run
 directory (its latest readable checkpoint), or '' for the demo tiny random model (its vocabulary from the
@@ -13,7 +18,9 @@ tokenizer). `load_model` and `load_sampler` are the one way every command loads 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -43,6 +50,87 @@ def _path(workdir):
     return epath.Path(os.fspath(workdir))
 
 
+def write_atomic(path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it, fsynced and renamed over it: readers and a crash
+    see the old file or the new one, never half of one; a failed write (a full disk) leaves the old file."""
+    path = _path(path)
+    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    try:
+        if "://" in str(path):  # object stores: an upload is whole or absent
+            tmp.write_text(text)
+        else:
+            with open(os.fspath(tmp), "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if tmp.exists():
+                tmp.unlink()
+        raise
+
+
+# A model's files: a directory holding one is a model, not a training run (--workdir must not overwrite it).
+MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.gguf", "pytorch_model*.bin", "tokenizer.json",
+                       "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+
+
+def check_workdir(workdir) -> None:
+    """A RunDirError unless `workdir` is absent, holds no run's files yet, or holds a training run: a model
+    directory (weights, tokenizer files) or one whose config.json is not a training config is refused."""
+    workdir = _path(workdir)
+    if not workdir.exists():
+        return
+    if not workdir.is_dir():
+        raise RunDirError(f"--workdir {workdir} is a file, not a directory; pick a directory for the run")
+    found = next((f.name for pattern in MODEL_FILE_PATTERNS for f in workdir.glob(pattern)), None)
+    if found is not None:
+        raise RunDirError(f"--workdir {workdir} holds a model ({found}), not a training run; a run would overwrite "
+                          "its config.json: pick an empty or new directory (a model to start from goes in "
+                          "--config.model.path)")
+    config = workdir / CONFIG_FILE
+    if config.exists():
+        try:
+            saved = json.loads(config.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise RunDirError(f"{config} is not JSON (damaged?): it is the run's config; restore it from "
+                              f"{CONFIG_TEXT} or pick another --workdir") from None
+        if not (isinstance(saved, dict) and {"train", "loss", "model"} <= set(saved)):
+            raise RunDirError(f"--workdir {workdir} holds a config.json that is not a training run's (no train, "
+                              "loss and model sections); pick an empty or new directory")
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir):
+    """Hold `workdir`/.lock for the block: one trainer per workdir at a time. A second one is refused with the
+    first one's pid and start time. The lock is the kernel's (flock), so a killed trainer never leaves it held.
+    Remote workdirs (gs://...) are not locked."""
+    workdir = _path(workdir)
+    if "://" in str(workdir):
+        yield
+        return
+    import fcntl
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = os.path.join(os.fspath(workdir), ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise RunDirError(f"{workdir} is in use by another trainer ({holder}); wait for it to finish, stop it, "
+                              "or pick another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, started {_now()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 # ==========================================================================================================
 # The config of a run
 # ==========================================================================================================
@@ -58,7 +146,10 @@ def read_config(workdir):
     path = _path(workdir) / CONFIG_FILE
     if not path.exists():
         raise RunDirError(f"{path} does not exist: --workdir must be the directory of a training run")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except (ValueError, UnicodeDecodeError):
+        raise RunDirError(f"{path} is not JSON (damaged?): restore it from {CONFIG_TEXT} beside it") from None
 
 
 def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -103,12 +194,11 @@ def write_config(config, workdir, *, accept_change: bool = False, write: bool = 
                               "flags to resume it, pick another --workdir, or pass --accept_config_change to go on "
                               "with the new values (recorded in config_changes.jsonl)")
         if changes and write:
-            with (workdir / CONFIG_CHANGES).open("a") as f:
-                f.write(json.dumps({"time": _now(), "changes": [
-                    {"field": field, "old": old, "new": new} for field, old, new in changes]}) + "\n")
+            append_record(workdir / CONFIG_CHANGES, {"time": _now(), "changes": [
+                {"field": field, "old": old, "new": new} for field, old, new in changes]})
     if write and (changes or not path.exists()):
-        path.write_text(text)
-        (workdir / CONFIG_TEXT).write_text(str(config))
+        write_atomic(path, text)
+        write_atomic(workdir / CONFIG_TEXT, str(config))
     return changes
 
 
@@ -168,9 +258,17 @@ def provenance() -> dict:
 
 def record_invocation(workdir, **extra) -> None:
     """Append this start of the run (provenance + extra) to workdir/invocations.jsonl."""
-    path = _path(workdir) / INVOCATIONS
-    with path.open("a") as f:
-        f.write(json.dumps({**provenance(), **extra}) + "\n")
+    append_record(_path(workdir) / INVOCATIONS, {**provenance(), **extra})
+
+
+def append_record(path, record: dict) -> None:
+    """One JSON line appended to a run's log (jsonl.append locally: whole records only; remote: rewritten)."""
+    from sweet_jax import jsonl
+    if "://" in str(path):
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + ("" if not old or old.endswith("\n") else "\n") + json.dumps(record) + "\n")
+    else:
+        jsonl.append(path, [record])
 
 
 # ==========================================================================================================

@@ -76,13 +76,17 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
     A finished run made with the same config returns its summary at once. A run whose saved config differs
     is refused (naming the fields) unless accept_config_change, which records the change in the workdir."""
     check_config(config)
+    rundir.check_workdir(workdir)
     finished = rundir.finished_summary(config, workdir)
     if finished is not None:
         log.info("%s already holds this run, finished at step %s: nothing to do (its summary.json and curves.png "
                  "are there; pick another --workdir to train again)", workdir, finished.get("steps"))
         return finished
     rundir.initialize_distributed()
+    import jax
     with contextlib.ExitStack() as mesh_scope:
+        if jax.process_index() == 0:  # one trainer per workdir; the processes of one run share it
+            mesh_scope.enter_context(rundir.workdir_lock(workdir))
         trainer = Trainer(config, workdir, rundir.make_mesh(training_mesh_shape(config)))
         trainer.setup(mesh_scope, accept_config_change=accept_config_change)
         trainer.resume()
@@ -382,7 +386,7 @@ class Trainer:
                                     loss_label=("loss (NLL, nats per action token)" if self.kind in ("rft", "sft")
                                                 else "loss (nats per pair)"))
             summary["plot"] = str(self.workdir / "curves.png")
-            (self.logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            rundir.write_atomic(self.logdir / "summary.json", json.dumps(summary, indent=2) + "\n")
             self.sync_logs()
             log.info("done: %s", json.dumps(summary))
         return summary

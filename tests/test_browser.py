@@ -132,6 +132,14 @@ def test_a_huge_page_is_cut_at_the_maximum_height(pool):
     assert height == MAX_HEIGHT and width <= 4 * 1280
 
 
+def test_nothing_of_a_page_reaches_the_next_one(pool):
+    """window.name survives navigations in a browsing context: the renderer clears it between pages."""
+    pool.render("<body><script>window.name = 'secret from the last page';</script></body>")
+    after = pool.render("<body style='margin:0;background:#ffffff'><script>if (window.name) "
+                        "document.body.style.background = '#ff0000';</script><div style='height:10px'></div></body>")
+    assert red_pixels(after) == 0
+
+
 def test_popups_and_dialogs_do_nothing(pool, canary):
     address, hits = canary
     html = f"""<html><body style='background:#ffffff;margin:0'><div style='height:50px'>page</div><script>

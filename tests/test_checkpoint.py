@@ -88,3 +88,25 @@ def test_empty_directory_restores_nothing_and_unknown_step_is_an_error(tmp_path)
     ckpt.save(3, make_items(), {}, wait=True)
     with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*have \[3\]"):
         ckpt.restore({"params": abstract_like(make_items()["params"])}, step=5)
+
+
+def test_a_checkpoint_of_other_shapes_is_a_config_change_named_as_such_and_left_in_place(tmp_path):
+    """A config change of the parameter tree (e.g. a wider model) is not damage: nothing is moved aside."""
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, make_items(), {}, wait=True)
+    wider = {"params": {"w": jax.ShapeDtypeStruct((64, 48), jnp.float32), "b": jax.ShapeDtypeStruct((48,), jnp.float32)}}
+    with pytest.raises(CheckpointError, match="step 2 .* other shapes than the model now built .* not damaged"):
+        Checkpointer(tmp_path / "ckpt").restore(wider)
+    assert Checkpointer(tmp_path / "ckpt").all_steps() == [1, 2]
+    assert not (tmp_path / "corrupt_checkpoints").exists()
+
+
+def test_a_rerun_after_every_checkpoint_was_moved_aside_does_not_restart_from_step_0(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, make_items(), {}, wait=True)
+    truncate_arrays(tmp_path / "ckpt" / "1")
+    with pytest.raises(CheckpointError, match="every checkpoint"):
+        Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
+    with pytest.raises(CheckpointError, match="unreadable one.* were moved to .*corrupt_checkpoints.*step 0"):
+        Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))

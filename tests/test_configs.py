@@ -85,3 +85,80 @@ def test_an_unknown_field_is_named_with_a_suggestion():
 def test_unknown_preset_says_which_exist():
     with pytest.raises(Exception, match="use one of demo, demo_no_info, llama3_8b, no_info"):
         parse(f"--config={REPO}/configs/critic.py:llama3_9b").lock()
+
+
+CRITIC_PRESETS = ("demo", "demo_no_info", "llama3_8b", "no_info", "demo_lora")
+POLICY_PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "demo_lora", "llama3_8b", "mtdpo", "rft", "official")
+
+
+@pytest.mark.parametrize("spec", [f"critic.py:{p}" for p in CRITIC_PRESETS] + [f"policy.py:{p}" for p in POLICY_PRESETS])
+def test_every_training_preset_lies_within_the_numeric_ranges(spec):
+    config_utils.check_ranges(parse(f"--config={REPO}/configs/{spec}"), config_utils.TRAIN_RANGES)
+
+
+@pytest.mark.parametrize("spec, ranges", [(f"rollout.py:{p}", "ROLLOUT_RANGES") for p in
+                                          ("demo", "demo_server", "collect_8b", "eval_8b", "official", "official_eval")]
+                         + [(f"frontend.py:{p}", "ROLLOUT_RANGES") for p in ("rollout_demo", "collect_8b", "eval_8b")]
+                         + [(f"rank.py:{p}", "RANK_RANGES") for p in ("demo", "llama3_8b", "official")]
+                         + [(f"pipeline.py:{p}", "PIPELINE_RANGES") for p in
+                            ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")]
+                         + [(f"frontend.py:{p}", "PIPELINE_RANGES") for p in
+                            ("frontend_demo", "frontend_test", "frontend_8b")])
+def test_every_rollout_rank_and_pipeline_preset_lies_within_the_numeric_ranges(spec, ranges):
+    config_utils.check_ranges(parse(f"--config={REPO}/configs/{spec}"), getattr(config_utils, ranges))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("train.log_every", 0, "an integer > 0"),            # divided by in the loop
+    ("loss.beta", -1.0, "a number > 0"),                 # an inverted critic
+    ("loss.beta", 0.0, "a number > 0"),                  # every pair scores the same
+    ("train.keep_ckpts", -1, "an integer > 0"),
+    ("train.ckpt_every", -5, "an integer >= 0"),
+    ("train.eval_every", -1, "an integer >= 0"),
+    ("optim.lr", float("nan"), "a number >= 0"),
+    ("optim.b2", 1.0, r"a number in \[0, 1\)"),
+    ("loss.label_smoothing", 0.5, r"a number in \[0, 0.5\)"),     # every preference flipped as often as kept
+    ("data.eval_fraction", 1.0, r"a number in \[0, 1\)"),
+    ("data.max_len", 0, "an integer > 0"),
+    ("train.batch_size", 0, "an integer > 0"),
+])
+def test_a_numeric_training_field_out_of_range_is_one_error_naming_it(field, value, expected):
+    c = parse(f"--config={REPO}/configs/critic.py:demo")
+    c.unlock()
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(config_utils.TrainConfigError, match=rf"config.{field}=.*must be {expected}.*--config.{field}"):
+        config_utils.check_config(c)
+
+
+def test_an_integer_field_refuses_a_bool_or_a_float():
+    c = config_utils.base_config()
+    c.train.log_every = True
+    with pytest.raises(config_utils.TrainConfigError, match="config.train.log_every=True: must be an integer"):
+        config_utils.check_ranges(c, config_utils.TRAIN_RANGES)
+
+
+@pytest.mark.parametrize("field, value", [("simulator.timeout_s", 0.0), ("sampling.top_p", 2.0),
+                                          ("policy.openai.max_retries", -1), ("best_of", 0), ("max_turns", 0)])
+def test_a_rollout_field_out_of_range_is_refused_before_anything_starts(field, value):
+    from sweet_jax import rollout
+    from sweet_jax.collect import RolloutError
+    c = parse(f"--config={REPO}/configs/rollout.py:demo")
+    c.unlock()
+    *sections, name = field.split(".")
+    node = c
+    for s in sections:
+        node = node[s]
+    node[name] = value
+    with pytest.raises(RolloutError, match=rf"config.{field}={value!r}: must be"):
+        rollout.run(c)
+
+
+def test_a_pipeline_field_out_of_range_is_refused_before_any_stage(tmp_path):
+    from sweet_jax import pipeline
+    c = parse(f"--config={REPO}/configs/pipeline.py:test")
+    c.unlock()
+    c.critic.beta = -1.0
+    with pytest.raises(pipeline.PipelineError, match=r"config.critic.beta=-1.0: must be a number > 0"):
+        pipeline.run_pipeline(c, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

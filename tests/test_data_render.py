@@ -213,3 +213,72 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tok):
         load_tokenizer(tmp_path / "plain")
     with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
+
+
+def counting_templates(tok, monkeypatch):
+    """The number of chat-template renders, and how many characters they produced."""
+    from sweet_jax.data import render
+    counts = {"calls": 0, "chars": 0}
+    original = render._template
+
+    def counted(*args, **kwargs):
+        text = original(*args, **kwargs)
+        counts["calls"] += 1
+        counts["chars"] += len(text)
+        return text
+    monkeypatch.setattr(render, "_template", counted)
+    return counts
+
+
+def long_dialogue(turns: int) -> list[dict]:
+    out = [DIALOGUE[0]]
+    for k in range(turns):
+        out += [{"role": "assistant", "content": f"Question {k}: is {k} special?"}, {"role": "user", "content": "No."}]
+    return out + [DIALOGUE[-1]]
+
+
+def test_rendering_work_is_linear_in_the_number_of_turns(tok, monkeypatch):
+    """Two renders of the dialogue whatever its length (one rendered each reply's prefix: quadratic)."""
+    work = {}
+    for turns in (5, 50):
+        counts = counting_templates(tok, monkeypatch)
+        render_dialogue(tok, long_dialogue(turns))
+        work[turns] = counts["chars"]
+        assert counts["calls"] <= 3
+    assert work[50] < 12 * work[5]  # 10x the turns, about 10x the characters
+
+
+def test_the_linear_spans_are_the_prefix_renders_spans(tok):
+    from sweet_jax.data import render
+    for dialogue in (DIALOGUE, long_dialogue(12), [dict(m, content=f"  {m['content']}\n") for m in DIALOGUE]):
+        msgs = [dict(m) for m in dialogue]
+        full = render._template(tok, msgs, add_generation_prompt=False)
+        assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert render._reply_spans_by_sentinels(tok, msgs, assistant, full) == \
+            render._reply_spans_by_prefixes(tok, msgs, assistant, full)
+
+
+def test_a_template_that_rewrites_replies_falls_back_to_the_prefix_renders_and_its_error(bpe_dir):
+    from sweet_jax.data import RenderError
+    tok = load_tokenizer(bpe_dir)
+    tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                         "{{ m['content'] | upper if m['role'] == 'assistant' else m['content'] }}<|eot_id|>"
+                         "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                         "\n\n{% endif %}")
+    with pytest.raises(RenderError, match="rewrites replies"):
+        render_dialogue(tok, DIALOGUE)
+
+
+@pytest.mark.parametrize("template, bound", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "ran past 1 s"),
+    ("{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}{{ m['content'] }}"
+     "{% endfor %}{% endfor %}{% endfor %}", "wrote .* characters"),
+])
+def test_a_hostile_chat_template_is_stopped_at_its_time_or_size_bound(bpe_dir, monkeypatch, template, bound):
+    from sweet_jax.data import tokenizers
+    monkeypatch.setattr(tokenizers, "TEMPLATE_SECONDS", 1.0)
+    monkeypatch.setattr(tokenizers, "TEMPLATE_MAX_CHARS", 1 << 20)
+    tok = load_tokenizer(bpe_dir)
+    tok.chat_template = template
+    with pytest.raises(tokenizers.TemplateBoundError, match=bound):
+        render_dialogue(tok, DIALOGUE)

@@ -107,7 +107,8 @@ class MisbehavingEndpoint:
     """A chat endpoint on 127.0.0.1 that fails the first `failures` requests in the given `mode`.
 
     modes: 'ok', 'http500', 'timeout' (answers after `delay_s`), 'malformed' (JSON that does not parse),
-    'bad_schema' (JSON without choices), 'http400'.
+    'bad_schema' (JSON without choices), 'http400', 'drip' (the answer a byte every 50 ms), 'huge' (a 3 MiB answer),
+    'surrogate' (a reply holding a lone surrogate, \\ud800), 'overlong' (5000 tokens for any max_tokens).
     """
 
     def __init__(self, mode="ok", failures=10 ** 9, reply="Small coffee is 2 dollars.", delay_s=2.0):
@@ -137,15 +138,28 @@ class MisbehavingEndpoint:
                     return self._send(200, b'{"choices": [ {"message": ')
                 if mode == "bad_schema":
                     return self._send(200, b'{"object": "chat.completion"}')
+                if mode == "drip":
+                    return self._send(200, json.dumps(completion_body(endpoint.reply)).encode() + b" " * 400, 0.05)
+                if mode == "huge":
+                    return self._send(200, json.dumps(completion_body("x" * (3 << 20))).encode())
+                if mode == "overlong":
+                    body = dict(completion_body("x " * 5000), usage={"prompt_tokens": 10, "completion_tokens": 5000,
+                                                                     "total_tokens": 5010})
+                    return self._send(200, json.dumps(body).encode())
+                if mode == "surrogate":
+                    return self._send(200, json.dumps(completion_body("caf\ud800e")).encode())
                 return self._send(200, json.dumps(completion_body(endpoint.reply)).encode())
 
-            def _send(self, code, body):
+            def _send(self, code, body, drip_s=0.0):
                 try:
                     self.send_response(code)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    for i in range(0, len(body), 1 if drip_s else len(body)):
+                        self.wfile.write(body[i:i + 1] if drip_s else body)
+                        self.wfile.flush()
+                        time.sleep(drip_s)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -209,6 +223,37 @@ def test_endpoint_down_is_reported_as_connection_error():
     simulator = fast_simulator(f"http://127.0.0.1:{free_port()}/v1", max_retries=1)
     results = simulator.reply_many([(TASK, []), (TASK, [])])
     assert all(isinstance(r, SimulatorError) and "Connection" in str(r) for r in results)
+
+
+def test_a_slow_drip_answer_is_cut_at_the_request_deadline_then_retried():
+    """A byte every 50 ms keeps each socket read under timeout_s; the request as a whole is cut at timeout_s."""
+    with MisbehavingEndpoint("drip", failures=1) as endpoint:
+        simulator = fast_simulator(endpoint.base_url, timeout_s=1.0, max_retries=1)
+        start = time.monotonic()
+        assert simulator.reply(TASK, []) == "Small coffee is 2 dollars."
+    assert endpoint.requests == 2 and time.monotonic() - start < 4.0
+
+
+def test_an_answer_past_the_size_cap_is_not_read_whole_and_is_reported():
+    with MisbehavingEndpoint("huge") as endpoint:
+        with pytest.raises(SimulatorError, match="passed .* bytes|announces .* bytes"):
+            fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
+    assert endpoint.requests == 2
+
+
+def test_a_reply_of_more_tokens_than_asked_is_retried_then_reported():
+    with MisbehavingEndpoint("overlong") as endpoint:
+        with pytest.raises(SimulatorError, match="5000 completion tokens for max_tokens=256"):
+            fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
+    assert endpoint.requests == 2
+
+
+def test_a_reply_with_a_lone_surrogate_is_stored_with_a_replacement_character(tmp_path):
+    from sweet_jax import jsonl
+    with MisbehavingEndpoint("surrogate") as endpoint:
+        reply = fast_simulator(endpoint.base_url).reply(TASK, [])
+    assert reply == "caf\ufffde"
+    jsonl.write(tmp_path / "t.jsonl", [{"content": reply}])  # a UTF-8 file can hold it
 
 
 def test_rejected_request_gets_no_response_like_the_official_simulator():

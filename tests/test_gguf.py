@@ -380,3 +380,28 @@ def test_smollm2_hf_directory_round_trip(smollm2, tmp_path):
     assert reloaded.apply_chat_template(MESSAGES, tokenize=False) == text
     assert reloaded(text + " 2024")["input_ids"] == smollm2["tokenizer"](text + " 2024")["input_ids"]
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_block_count_of_a_million_is_refused_before_anything_is_built(tmp_path):
+    path = write_small_gguf(tmp_path / "deep.gguf", {"token_embd.weight": np.zeros((16, 128), np.float32)},
+                            block_count=10 ** 6)
+    with pytest.raises(gguf_lib.GGUFError, match=r"deep\.gguf: metadata gives num_layers=1000000: expected an "
+                                                 r"integer in \[1, 1024\]"):
+        gguf_lib.load_gguf(path)
+
+
+def test_a_vocabulary_with_a_duplicated_token_is_refused_naming_both_ids(tmp_path):
+    def duplicated(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(["a", "b", "a", "<eos>"])
+        writer.add_token_types([1, 1, 1, 3])
+        writer.add_token_merges([])
+        writer.add_eos_token_id(3)
+    path = tmp_path / "dup.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    duplicated(writer)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    with pytest.raises(gguf_lib.GGUFError, match=r"dup\.gguf: tokenizer\.ggml\.tokens holds 'a' twice \(ids 0 and 2\)"):
+        gguf_lib.load_gguf_tokenizer(path, require_chat_template=False)

@@ -165,3 +165,62 @@ def test_wrongly_shaped_tensor_is_named_with_its_file(checkpoints, tmp_path):
 
 def test_checkpoint_errors_are_sweet_jax_errors():
     assert issubclass(HFCheckpointError, SweetJaxError) and issubclass(HFCheckpointError, ValueError)
+
+
+# --- hostile files: headers validated as the safetensors library does, sizes before anything is built --------
+
+def raw_safetensors(path, header: dict, data: bytes, *, length: int | None = None):
+    """A safetensors file written byte by byte, so that its header can say anything."""
+    head = json.dumps(header).encode()
+    path.write_bytes((len(head) if length is None else length).to_bytes(8, "little") + head + data)
+    return path
+
+
+def two_tensors(offsets_a, offsets_b, data_bytes=64):
+    return ({"a": {"dtype": "F32", "shape": [8], "data_offsets": offsets_a},
+             "b": {"dtype": "F32", "shape": [8], "data_offsets": offsets_b}}, bytes(data_bytes))
+
+
+@pytest.mark.parametrize("header, data, length, expected", [
+    (*two_tensors([0, 32], [16, 48], 48), None, "overlap"),                     # b reads a's bytes
+    (*two_tensors([0, 32], [40, 72], 72), None, "leave a gap"),
+    (*two_tensors([0, 32], [32, 64], 96), None, "holds 96"),                    # bytes nobody accounts for
+    (*two_tensors([0, 32], [32, 64], 40), None, "truncated"),
+    (*two_tensors([0, 32], [-8, 24], 64), None, "0 <= begin <= end"),          # into the header
+    (*two_tensors([0, 32], [32, 60], 64), None, "needs 32"),
+    ({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), None, "not a safetensors dtype"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), None, "sizes >= 0"),
+    ({"a": 1}, b"", 2 ** 62, "header length"),                                  # absurd length: never read
+    ([1, 2], b"", None, "not a JSON object"),
+])
+def test_a_safetensors_header_the_library_would_refuse_is_refused(tmp_path, header, data, length, expected):
+    from sweet_jax.models.hf import _read_safetensors_header
+    path = raw_safetensors(tmp_path / "model.safetensors", header, data, length=length)
+    with pytest.raises(HFCheckpointError, match=expected):
+        _read_safetensors_header(path)
+    if expected not in ("header length", "not a JSON object", "not a safetensors dtype"):
+        with pytest.raises(Exception):  # the reference library agrees
+            safetensors.numpy.load_file(path)
+
+
+def test_real_safetensors_files_pass_the_header_checks(checkpoints):
+    from sweet_jax.models.hf import _read_safetensors_header
+    header, start = _read_safetensors_header(checkpoints["llama31"] / "model.safetensors")
+    assert len(header) == len(safetensors.numpy.load_file(checkpoints["llama31"] / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_an_index_naming_a_file_outside_the_model_directory_is_refused(checkpoints, tmp_path, name):
+    bad = copy_checkpoint(checkpoints["llama31"], tmp_path / "bad")
+    safetensors.numpy.save_file({"x": np.zeros(2, np.float32)}, tmp_path / "outside.safetensors")
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": name}}))
+    with pytest.raises(HFCheckpointError, match="not inside the model directory"):
+        load_hf(bad)
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 10 ** 6), ("hidden_size", 10 ** 9),
+                                          ("vocab_size", 0), ("num_attention_heads", 0), ("num_hidden_layers", 2.5)])
+def test_an_absurd_config_size_is_refused_before_anything_is_built(checkpoints, tmp_path, field, value):
+    bad = copy_checkpoint(checkpoints["llama31"], tmp_path / "bad", config_edit=lambda c: c.update({field: value}))
+    with pytest.raises(HFCheckpointError, match=rf"{bad / 'config.json'}: .*expected an integer"):
+        load_hf(bad)

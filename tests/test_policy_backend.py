@@ -4,9 +4,11 @@ the sampling goes on without losing or repeating a prompt."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -246,3 +248,122 @@ def test_rollout_takes_the_backend_switch_and_plays_the_same_episodes(engine, po
         episodes[backend] = [json.loads(line)["dialogue_history"] for line in open(config.output)]
     # The same episodes up to a rare CDF-boundary flip in one of them (tests/draws.py).
     assert_mostly_identical(episodes["openai"], episodes["in_process"], what="episodes")
+
+
+# -- hostile engines: every field of an answer is checked against the request; deadline and size per request --
+
+class HostileEngine:
+    """A completions endpoint on 127.0.0.1 whose first `bad` answers are `answer(body)` (a dict, or raw bytes with
+    `drip_s` seconds between them), then honest ones: `max_tokens` tokens of id 1 at log-prob -0.5."""
+
+    def __init__(self, answer, bad=10 ** 9, drip_s=0.0, headers=None):
+        import http.server
+
+        self.requests = 0
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.requests += 1
+                honest = {"choices": [{"index": i, "finish_reason": "length", "logprobs": {
+                    "tokens": ["token_id:1"] * body["max_tokens"], "token_logprobs": [-0.5] * body["max_tokens"]}}
+                    for i in range(body["n"])]}
+                data = answer(body) if engine.requests <= bad else honest
+                data = data if isinstance(data, bytes) else json.dumps(data).encode()
+                try:
+                    self.send_response(200)
+                    for k, v in (headers or {"Content-Length": str(len(data))}).items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    for i in range(0, len(data), 1 if drip_s else len(data) or 1):
+                        self.wfile.write(data[i:i + (1 if drip_s else len(data))])
+                        self.wfile.flush()
+                        time.sleep(drip_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from sweet_jax.data import demo, tokenizers
+    return tokenizers.load_tokenizer(demo.paths().tokenizer)
+
+
+def one_choice(tokens, logprobs):
+    return {"choices": [{"index": 0, "finish_reason": "length",
+                         "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}}]}
+
+
+VOCAB = 1000
+ATTACKS = {  # what the engine answers a request of max_tokens=4, n=1 -> what the error names
+    "id_past_vocab": (lambda b: one_choice([1, VOCAB + 5], [-0.1, -0.2]), "outside the policy's vocabulary"),
+    "negative_id": (lambda b: one_choice([-3], [-0.1]), "outside the policy's vocabulary"),
+    "fewer_logprobs": (lambda b: one_choice([1, 2, 3, 4], [-0.1]), "4 tokens with 1 log-probs"),
+    "nan_logprob": (lambda b: one_choice([1, 2], [-0.1, float("nan")]), "log-prob nan"),
+    "positive_logprob": (lambda b: one_choice([1, 2], [-0.1, 0.7]), "log-prob 0.7"),
+    "null_logprob": (lambda b: one_choice([1], [None]), "log-prob None"),
+    "ten_times_max_tokens": (lambda b: one_choice([1] * 40, [-0.1] * 40), "40 tokens for max_tokens=4"),
+    "missing_choice": (lambda b: {"choices": []}, "0 choices for n=1"),
+    "not_the_shape": (lambda b: {"choices": [{"logprobs": "x"}]}, "not the OpenAI shape"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_an_answer_that_breaks_the_request_is_retried_then_refused_never_recorded(demo_tokenizer, attack):
+    answer, named = ATTACKS[attack]
+    with HostileEngine(answer) as engine:
+        sampler = policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="m", max_retries=1,
+                                               backoff_s=0.01, vocab_size=VOCAB)
+        with pytest.raises(policy_backend.PolicyBackendError, match=f"after 1 retries.*{re.escape(named)}"):
+            sampler.generate([[1, 2]], max_new_tokens=4)
+    assert engine.requests == 2
+
+
+def test_a_bad_answer_followed_by_an_honest_one_gives_the_honest_samples(demo_tokenizer):
+    with HostileEngine(ATTACKS["nan_logprob"][0], bad=1) as engine:
+        sampler = policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="m", max_retries=2,
+                                               backoff_s=0.01, vocab_size=VOCAB)
+        (sample,), = sampler.generate([[1, 2]], max_new_tokens=3)
+    assert sample.token_ids == [1, 1, 1] and sample.logprobs == [-0.5] * 3 and engine.requests == 2
+
+
+def test_a_slow_drip_answer_is_cut_at_the_request_deadline_not_per_read(demo_tokenizer):
+    """One byte every 50 ms keeps every socket read under the timeout; the request as a whole may not."""
+    body = json.dumps(one_choice([1], [-0.1])).encode() + b" " * 400  # about 20 s at this pace
+    with HostileEngine(lambda b: body, drip_s=0.05) as engine:
+        sampler = policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="m", max_retries=0,
+                                               timeout_s=1.0, vocab_size=VOCAB)
+        import sweet_jax.generate  # noqa: F401 — its first import (jax) is not the request's time
+        start = time.monotonic()
+        with pytest.raises(policy_backend.PolicyBackendError, match="deadline of 1 s"):
+            sampler.generate([[1, 2]], max_new_tokens=1)
+    assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_an_answer_larger_than_the_request_allows_is_not_read_whole(demo_tokenizer, announced):
+    """A 1-token request's answer fits in about 1 MiB; 3 MiB (announced, or chunked without a length) is cut."""
+    from sweet_jax import http_bounds
+    big = b" " * (3 * http_bounds.MiB)
+    headers = None if announced else {"Transfer-Encoding": "identity", "Connection": "close"}
+    with HostileEngine(lambda b: big, headers=headers) as engine:
+        sampler = policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="m", max_retries=0,
+                                               vocab_size=VOCAB)
+        with pytest.raises(policy_backend.PolicyBackendError, match="announces|passed"):
+            sampler.generate([[1, 2]], max_new_tokens=1)

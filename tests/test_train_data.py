@@ -180,3 +180,31 @@ def test_a_bad_policy_pair_line_names_its_file_line_and_field(tokenizer, tmp_pat
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(path), data__eval_fraction=0.0)
     with pytest.raises(TrainConfigError, match=re.escape(f"{path}:2: field 'chosen_score': must be int or float, got str")):
         datasets.build_datasets(config, tokenizer)
+
+
+@pytest.mark.parametrize("kind, expected", [("gzip", "gzip file"), ("binary", "binary file"),
+                                            ("latin1", "not UTF-8 text"), ("late_latin1", r":2: not UTF-8 text")])
+def test_trajectories_that_are_not_jsonl_text_are_one_config_error(data, tokenizer, tmp_path, kind, expected):
+    """The regression of issue 36: a gzip or binary data.trajectories gave a UnicodeDecodeError traceback (the
+    emptiness check read the whole file as text). A bad byte past the sniffed head is named with its line."""
+    import gzip
+    from sweet_jax.config_utils import TrainConfigError
+    text = data.read_bytes()
+    path = tmp_path / "trajectories.jsonl"
+    path.write_bytes({"gzip": lambda: gzip.compress(text), "binary": lambda: bytes(range(256)) * 64,
+                      "latin1": lambda: "caf\xe9 ".encode("latin-1") * 10,
+                      "late_latin1": lambda: b" " * 9000 + b"\n" + b"\xe9" * 40}[kind]())
+    with pytest.raises(TrainConfigError, match=rf"data.trajectories=.*{expected}"):
+        datasets.build_datasets(critic_config(path), tokenizer)
+
+
+def test_a_lone_surrogate_in_a_dialogue_is_one_config_error_naming_its_line_and_field(data, tokenizer, tmp_path):
+    from sweet_jax.config_utils import TrainConfigError
+    rows = data.read_text().splitlines()
+    bad = json.loads(rows[1])
+    bad["dialogue_history"][0]["content"] = "caf\ud800"
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join([rows[0], json.dumps(bad)] + rows[2:]) + "\n")  # json.dumps escapes it: \ud800
+    with pytest.raises(TrainConfigError, match=re.escape(f"{path}:2: field 'dialogue_history.0.content': holds a "
+                                                         "lone surrogate")):
+        datasets.build_datasets(critic_config(path), tokenizer)

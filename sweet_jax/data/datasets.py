@@ -108,7 +108,15 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
     path = config.data.trajectories or str(demo_paths().trajectories)
     if not config.data.trajectories and not pathlib.Path(path).exists():
         raise TrainConfigError(f"the bundled demo trajectories ({path}) are missing; set --config.data.trajectories")
-    if epath.Path(path).exists() and not epath.Path(path).read_text().strip():
+    local = not str(path).startswith("tfds://")
+    try:  # a directory, a gzip/binary file or a non-UTF-8 one is named here, before anything reads it as text
+        if local:
+            jsonl.check_file(path)
+        empty = local and not any(True for _ in jsonl.lines(path))
+    except jsonl.DataError as e:
+        raise TrainConfigError(f"config.data.trajectories={path!r}: {e}; point --config.data.trajectories "
+                               "at a ColBench trajectories JSONL (plain text)") from None
+    if empty:
         raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point --config.data.trajectories "
                                "at a non-empty ColBench trajectories JSONL")
     try:

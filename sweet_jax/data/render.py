@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from sweet_jax.data.schema import Trajectory, Turn
-from sweet_jax.data.tokenizers import TokenizerError, end_of_turn_ids
+from sweet_jax.data.tokenizers import TokenizerError, apply_chat_template, end_of_turn_ids
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ def _template(tokenizer, messages, *, add_generation_prompt: bool) -> str:
     if not messages:
         return ""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    except TokenizerError:
+        raise
     except Exception as e:  # jinja raise_exception and friends: say which template and why
         raise RenderError(f"the tokenizer's chat template failed on this dialogue: {type(e).__name__}: {e}") from e
 
@@ -161,12 +162,20 @@ def _spans_to_rendered(tokenizer, text: str, spans: Sequence[tuple[int, int, int
     ids, offsets = _tokenize(tokenizer, text)
     turn_ids = np.zeros(len(ids), np.int32)
     eot = end_of_turn_ids(tokenizer)
-    starts = np.array([s for s, _ in offsets])
-    ends = np.array([e for _, e in offsets])
+    starts = np.array([s for s, _ in offsets], np.int64)
+    ends = np.array([e for _, e in offsets], np.int64)
+    # Offsets in order (fast tokenizers): a reply's tokens are found by bisection, not a pass over all tokens.
+    ordered = bool(np.all(np.diff(starts) >= 0) and np.all(np.diff(ends) >= 0))
     reply_starts = []
     for k, (a, b, label) in enumerate(spans, start=1):
         # Content tokens: those overlapping [a, b); empty replies have none.
-        inside = np.nonzero((starts < b) & (ends > a))[0] if b > a else np.zeros(0, np.int64)
+        if b <= a:
+            inside = np.zeros(0, np.int64)
+        elif ordered:
+            inside = np.arange(np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left"))
+            inside = inside[(starts[inside] < b) & (ends[inside] > a)]  # zero-width tokens in between
+        else:
+            inside = np.nonzero((starts < b) & (ends > a))[0]
         after = int(np.searchsorted(starts, b, side="left")) if len(inside) == 0 else int(inside[-1]) + 1
         first = int(inside[0]) if len(inside) else after
         # Its end-of-turn token: the first end token after the text, with only whitespace in between.
@@ -209,6 +218,48 @@ def render_dialogue(tokenizer, messages: Sequence[dict], *, info: str | None = N
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not assistant:
         raise RenderError("the dialogue has no assistant reply to label")
+    spans = _reply_spans_by_sentinels(tokenizer, msgs, assistant, full)
+    if spans is None:  # a template that rewrites replies: the prefix renders say where (quadratic in turns)
+        spans = _reply_spans_by_prefixes(tokenizer, msgs, assistant, full)
+    labels = [k for k in range(1, len(spans) + 1)] if label == "all" else [0] * (len(spans) - 1) + [1]
+    off = len(prefix)
+    return _spans_to_rendered(tokenizer, prefix + full, [(a + off, b + off, lab) for (a, b), lab in zip(spans, labels)])
+
+
+SENTINEL = "\u2063SWEETJAX-REPLY-{}\u2063"  # invisible separators: no template or dialogue writes these
+
+
+def _reply_spans_by_sentinels(tokenizer, msgs, assistant, full) -> list[tuple[int, int]] | None:
+    """(start, end) of each reply's stripped text in `full` from one more render, linear in the dialogue: the
+    dialogue with every reply replaced by a sentinel; putting the replies back in must give `full` exactly
+    (else None: the template changes replies, and the caller falls back to the prefix renders)."""
+    marked = [dict(m) for m in msgs]
+    for k, i in enumerate(assistant):
+        marked[i]["content"] = SENTINEL.format(k)
+    skeleton = _template(tokenizer, marked, add_generation_prompt=False)
+    for strip in (True, False):  # templates that trim replies (Llama 3), then those that keep them as written
+        pieces, spans, cursor, length = [], [], 0, 0
+        for k, i in enumerate(assistant):
+            at = skeleton.find(SENTINEL.format(k), cursor)
+            if at < 0:
+                return None
+            text = msgs[i]["content"].strip() if strip else msgs[i]["content"]
+            pieces.append(skeleton[cursor:at])
+            length += at - cursor
+            lead = len(text) - len(text.lstrip())
+            spans.append((length + lead, length + lead + len(text.strip())))
+            pieces.append(text)
+            length += len(text)
+            cursor = at + len(SENTINEL.format(k))
+        pieces.append(skeleton[cursor:])
+        if "".join(pieces) == full:
+            return spans
+    return None
+
+
+def _reply_spans_by_prefixes(tokenizer, msgs, assistant, full) -> list[tuple[int, int]]:
+    """(start, end) of each reply's stripped text in `full`: reply k starts after the render of the dialogue
+    before it with the generation header (one render per reply, so quadratic in the number of turns)."""
     spans, cursor = [], 0
     for k, i in enumerate(assistant, start=1):
         before = _template(tokenizer, msgs[:i], add_generation_prompt=True)
@@ -223,9 +274,7 @@ def render_dialogue(tokenizer, messages: Sequence[dict], *, info: str | None = N
                               "rewrites replies?)")
         spans.append((a, a + len(content)))
         cursor = a + len(content)
-    labels = [k for k in range(1, len(spans) + 1)] if label == "all" else [0] * (len(spans) - 1) + [1]
-    off = len(prefix)
-    return _spans_to_rendered(tokenizer, prefix + full, [(a + off, b + off, lab) for (a, b), lab in zip(spans, labels)])
+    return spans
 
 
 def _reply_forms(turn: Turn, last: bool) -> list[str]:

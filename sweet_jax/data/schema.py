@@ -330,6 +330,7 @@ def _load(path, parse: Callable[[Any, str], Any], *, skip_bad: bool, what: str) 
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"malformed JSON ({e.msg} at column {e.colno})", where=where) from None
+            jsonl.refuse_lone_surrogates(obj, line, where)
             items.append(parse(obj, where))  # the record types name a non-object line themselves
         except DataError as e:
             if not skip_bad:

@@ -20,6 +20,72 @@ class TokenizerError(SweetJaxError):
     """The tokenizer cannot be used for chat rendering (missing files, no chat template, ...)."""
 
 
+# A chat template comes with the model files, so it is untrusted: a template with nested loops hangs the first
+# render and one that repeats a string fills memory. Honest renders take milliseconds and a few hundred KB.
+TEMPLATE_SECONDS = 10.0
+TEMPLATE_MAX_CHARS = 32 << 20
+_TEMPLATE_CODE = "<template>"  # the co_filename of the Python code jinja2 compiles a template into
+
+
+class TemplateBoundError(TokenizerError):
+    """A chat template that ran past its time or size bound."""
+
+
+def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool, seconds: float | None = None) -> str:
+    """tokenizer.apply_chat_template(messages, tokenize=False) under a time bound (TEMPLATE_SECONDS: checked as
+    the template's own code runs, so a template that loops forever is stopped, in any thread) and a size bound
+    (TEMPLATE_MAX_CHARS); past either a TemplateBoundError. The one way sweet_jax renders a chat template."""
+    import sys
+    import time
+
+    seconds = TEMPLATE_SECONDS if seconds is None else seconds
+    deadline = time.monotonic() + seconds
+    lines = [0]
+
+    def over():
+        return TemplateBoundError(f"the tokenizer's chat template ran past {seconds:g} s on one dialogue "
+                                  "(tokenizers.TEMPLATE_SECONDS); a template that loops this long is damaged or "
+                                  "hostile: use the model's original tokenizer_config.json")
+
+    def too_big(size):
+        return TemplateBoundError(f"the tokenizer's chat template wrote {size} characters for one dialogue, more "
+                                  f"than {TEMPLATE_MAX_CHARS} (tokenizers.TEMPLATE_MAX_CHARS); use the model's "
+                                  "original tokenizer_config.json")
+
+    written = [0]
+
+    def in_template(frame, event, arg):
+        if event == "return" and isinstance(arg, str):  # the template's code yields its output piece by piece
+            written[0] += len(arg)
+            if written[0] > TEMPLATE_MAX_CHARS:
+                raise too_big(written[0])
+        lines[0] += 1
+        if lines[0] % 256 == 0 and time.monotonic() > deadline:
+            raise over()
+        return in_template
+
+    def on_call(frame, event, arg):
+        if frame.f_code.co_filename == _TEMPLATE_CODE:
+            return in_template
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except MemoryError:
+        raise TemplateBoundError("the tokenizer's chat template ran out of memory on one dialogue; use the model's "
+                                 "original tokenizer_config.json") from None
+    finally:
+        sys.settrace(previous)
+    if time.monotonic() > deadline:
+        raise over()
+    if len(text) > TEMPLATE_MAX_CHARS:
+        raise too_big(len(text))
+    return text
+
+
 # Llama 3 (3.0) instruct template: every message is header + trimmed content + <|eot_id|>.
 LLAMA3_CHAT_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"

@@ -15,7 +15,17 @@ How a page is contained:
   started afresh. `window.open`, `alert`, `confirm`, `prompt` and `print` do nothing; any window a page still
   manages to open is closed after the render.
 - Full-page screenshots have a fixed viewport (`VIEWPORT`, CSS pixels at scale 1) and are cut at
-  `MAX_PAGE_HEIGHT` so a page of a million pixels cannot exhaust memory.
+  `MAX_PAGE_HEIGHT` and at `MAX_SCREENSHOT_PIXELS`; a PNG over `MAX_SCREENSHOT_BYTES` (a canvas of random
+  pixels does not compress) is refused in the renderer, so it is neither kept per page nor posted to the
+  vision simulator.
+- Each browser has a memory bound (`BROWSER_MEMORY_MB`): a memory cgroup around the whole browser where this
+  process may make one, else a per-process data limit (RLIMIT_DATA, which Chromium's address-space
+  reservations do not count against), and a V8 heap limit. A page past it crashes its renderer: the page gets no
+  screenshot and the browser is started afresh.
+- Nothing of a page reaches the next: after each page the browser goes back to one blank window whose name
+  (`window.name`, which survives navigations) is cleared; every page has its own origin, so no storage is shared.
+- The proxy's bookkeeping is bounded: it keeps the last `REFUSED_KEPT` refused requests (and a count), and
+  answers at most `MAX_CONNECTIONS` connections at a time (a flood is dropped, not queued in threads).
 """
 from __future__ import annotations
 
@@ -46,6 +56,11 @@ log = logging.getLogger(__name__)
 
 VIEWPORT = (1280, 800)         # (width, height) in CSS pixels: a common laptop screen, fixed for every page
 MAX_PAGE_HEIGHT = 8000         # full-page screenshots are cut here
+MAX_SCREENSHOT_PIXELS = 2 * VIEWPORT[0] * MAX_PAGE_HEIGHT  # a page over two viewports wide is cut shorter
+MAX_SCREENSHOT_BYTES = 16 << 20  # an honest page's PNG is well under 2 MB; random pixels are ~3 bytes a pixel
+BROWSER_MEMORY_MB = 2048       # one browser with its page (honest pages use a few hundred MB)
+REFUSED_KEPT = 100             # refused proxy requests remembered (for tests and logs)
+MAX_CONNECTIONS = 64           # proxy connections answered at a time
 PAGE_TIME_LIMIT_S = 15.0       # load + layout + screenshot of one page
 PLACEHOLDER_URL = placeholder_url(400, 300)   # what tests and demo pages show
 
@@ -57,6 +72,7 @@ CHROMIUM_FLAGS = (
     "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no name resolves; the proxy is an address
     "--proxy-bypass-list=<-loopback>",         # loopback goes through the proxy too, which refuses it
+    f"--js-flags=--max-old-space-size={BROWSER_MEMORY_MB // 4}",  # a page's JS heap, inside the memory bound
 )
 # Run in every frame before the page's own scripts: dialogs and pop-ups become no-ops.
 _QUIET_DIALOGS = """
@@ -86,9 +102,14 @@ class PageServer:
     """The browsers' proxy: serves the pages being rendered and the placeholder image; refuses all else."""
 
     def __init__(self):
-        self.pages: dict[str, bytes] = {}          # host -> HTML
-        self.refused: list[str] = []               # request lines refused (for tests and logs)
+        import collections
+
+        self.pages: dict[str, bytes] = {}          # host -> HTML (only while its page renders)
+        self.refused: collections.deque[str] = collections.deque(maxlen=REFUSED_KEPT)  # the last request lines
+        self.refused_count = 0                     # refused requests in all
+        self.dropped_connections = 0              # connections past MAX_CONNECTIONS, closed unanswered
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         server = self
         picture = re.compile(rf"http://{re.escape(PLACEHOLDER_HOST)}/(\d+)x(\d+)\.png")
 
@@ -116,7 +137,8 @@ class PageServer:
 
             def _refuse(self):
                 with server._lock:
-                    server.refused.append(self.requestline)
+                    server.refused.append(self.requestline[:300])
+                    server.refused_count += 1
                 self._send(403, "text/plain", b"")
 
             do_HEAD = do_GET  # noqa: N815
@@ -127,6 +149,22 @@ class PageServer:
 
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True
+            request_queue_size = MAX_CONNECTIONS
+
+            def process_request(self, request, client_address):
+                if not server._slots.acquire(blocking=False):  # a flood: no thread, no queue, no answer
+                    with server._lock:
+                        server.dropped_connections += 1
+                    self.shutdown_request(request)
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    request.settimeout(PAGE_TIME_LIMIT_S)  # a connection that sends nothing frees its slot
+                    super().process_request_thread(request, client_address)
+                finally:
+                    server._slots.release()
 
             def handle_error(self, request, client_address):
                 pass  # a browser that hangs up mid-answer (a page closed, a killed renderer) is routine
@@ -163,6 +201,52 @@ def find_browser() -> tuple[str, str]:
     return browser, driver
 
 
+class ScreenshotTooLargeError(SweetJaxError):
+    """A page whose screenshot is past MAX_SCREENSHOT_BYTES or MAX_SCREENSHOT_PIXELS."""
+
+
+def screenshot_clip(content_width: int, content_height: int, viewport=VIEWPORT,
+                    max_height: int = MAX_PAGE_HEIGHT) -> tuple[int, int]:
+    """(width, height) of a page's full-page screenshot: at least the viewport, at most 4 viewports wide and
+    max_height high, and cut shorter so that it holds at most MAX_SCREENSHOT_PIXELS."""
+    width = max(viewport[0], min(int(content_width), viewport[0] * 4))
+    height = max(viewport[1], min(int(content_height), max_height))
+    return width, max(1, min(height, MAX_SCREENSHOT_PIXELS // width))
+
+
+def checked_screenshot(png: bytes) -> bytes:
+    """`png` if it is within MAX_SCREENSHOT_BYTES and MAX_SCREENSHOT_PIXELS (its header says), else
+    ScreenshotTooLargeError: what leaves the renderer is bounded whatever the page drew."""
+    if len(png) > MAX_SCREENSHOT_BYTES:
+        raise ScreenshotTooLargeError(f"the page's screenshot is {len(png)} bytes, more than {MAX_SCREENSHOT_BYTES} "
+                                      "(browser.MAX_SCREENSHOT_BYTES): a page of noise, not a web page")
+    width, height = Image.open(io.BytesIO(png)).size  # reads the header only
+    if width * height > MAX_SCREENSHOT_PIXELS:
+        raise ScreenshotTooLargeError(f"the page's screenshot is {width}x{height} pixels, more than "
+                                      f"{MAX_SCREENSHOT_PIXELS} (browser.MAX_SCREENSHOT_PIXELS)")
+    return png
+
+
+def memory_bound(limit_mb: int, cgroups=None):
+    """(preexec_fn for the browser's Popen, cleanup): the browser and every process it starts in a memory cgroup
+    of limit_mb where `cgroups` (sandbox's _MemoryCgroups) can make one, else each of its processes under an
+    RLIMIT_DATA of limit_mb. cleanup removes the cgroup once the browser is gone."""
+    import resource
+
+    path = cgroups.create(limit_mb) if cgroups is not None and cgroups.available else None
+    if path is not None:
+        procs = os.path.join(path, "cgroup.procs")
+
+        def enter_cgroup():  # in the child, before exec: all it starts stays inside
+            with open(procs, "w") as f:
+                f.write("0")
+        return enter_cgroup, lambda: cgroups.remove(path)
+
+    def limit_data():
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_mb << 20, limit_mb << 20))
+    return limit_data, lambda: None
+
+
 @dataclasses.dataclass
 class Render:
     png: bytes | None        # the full-page screenshot, None when the page did not render
@@ -178,8 +262,10 @@ class Renderer:
     """One headless Chromium (restarted when a page hangs it). Not thread-safe: a pool holds several."""
 
     def __init__(self, server: PageServer, *, viewport=VIEWPORT, time_limit_s: float = PAGE_TIME_LIMIT_S,
-                 max_height: int = MAX_PAGE_HEIGHT):
+                 max_height: int = MAX_PAGE_HEIGHT, memory_mb: int = BROWSER_MEMORY_MB):
         self.server, self.viewport, self.time_limit_s, self.max_height = server, viewport, time_limit_s, max_height
+        self.memory_mb = memory_mb
+        self._release_memory_bound = lambda: None
         self.browser, self.driver_path = find_browser()
         self._driver = None
         self._profile = None
@@ -201,8 +287,12 @@ class Renderer:
         options.add_experimental_option("excludeSwitches", ["disable-popup-blocking", "enable-automation"])
         options.unhandled_prompt_behavior = "dismiss"
         options.page_load_strategy = "normal"
-        # Own session: a hung browser is killed with its whole process group.
-        service = Service(self.driver_path, log_output=os.devnull, popen_kw={"start_new_session": True})
+        # Own session: a hung browser is killed with its whole process group. Its memory bound holds the whole
+        # browser (a cgroup) or each of its processes (a data limit).
+        from sweet_jax.sandbox.evaluator import _MemoryCgroups
+        preexec, self._release_memory_bound = memory_bound(self.memory_mb, _MemoryCgroups())
+        service = Service(self.driver_path, log_output=os.devnull,
+                          popen_kw={"start_new_session": True, "preexec_fn": preexec})
         driver = webdriver.Chrome(options=options, service=service)
         driver.set_page_load_timeout(self.time_limit_s)
         driver.set_script_timeout(self.time_limit_s)
@@ -226,6 +316,8 @@ class Renderer:
         if self._profile:
             shutil.rmtree(self._profile, ignore_errors=True)
             self._profile = None
+        release, self._release_memory_bound = self._release_memory_bound, lambda: None
+        release()
 
     def _screenshot(self, url: str) -> bytes:
         import base64
@@ -234,8 +326,7 @@ class Renderer:
         driver.get(url)
         metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
         content = metrics.get("cssContentSize") or metrics["contentSize"]
-        width = max(self.viewport[0], min(int(content["width"]), self.viewport[0] * 4))
-        height = max(self.viewport[1], min(int(content["height"]), self.max_height))
+        width, height = screenshot_clip(content["width"], content["height"], self.viewport, self.max_height)
         shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
             "format": "png", "captureBeyondViewport": True, "fromSurface": True,
             "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
@@ -246,7 +337,11 @@ class Renderer:
             driver.close()
         driver.switch_to.window(handles[0])
         driver.get("about:blank")
-        return base64.b64decode(shot["data"])
+        driver.execute_script("window.name = '';")  # the one thing a browsing context carries across origins
+        if len(shot["data"]) > MAX_SCREENSHOT_BYTES * 4 // 3 + 4:  # base64: refused before it is decoded
+            raise ScreenshotTooLargeError(f"the page's screenshot is about {len(shot['data']) * 3 // 4} bytes, more "
+                                          f"than {MAX_SCREENSHOT_BYTES} (browser.MAX_SCREENSHOT_BYTES)")
+        return checked_screenshot(base64.b64decode(shot["data"]))
 
     def render(self, html: str) -> Render:
         """Screenshot of `html`; never raises: a failed page is Render(None, error)."""
@@ -258,6 +353,8 @@ class Renderer:
             future = self._worker.submit(self._screenshot, url)
             png = future.result(timeout=self.time_limit_s + 5)
             return Render(png, None, time.monotonic() - start)
+        except ScreenshotTooLargeError as e:  # the browser is fine and already back on a blank page
+            return Render(None, str(e), time.monotonic() - start)
         except Exception as e:  # noqa: BLE001 — any failure (timeout, crash) loses this page, not the run
             reason = "time limit" if isinstance(e, concurrent.futures.TimeoutError) else type(e).__name__
             log.warning("page did not render (%s: %s); restarting the browser", reason, str(e).splitlines()[:1])

@@ -52,7 +52,7 @@ class Simulator:
     def reply_many(self, requests: Sequence[tuple[Any, Sequence[dict]]]) -> list[str | SimulatorError]:
         def one(request):
             try:
-                return self.reply(*request)
+                return clean_reply(self.reply(*request))
             except SimulatorError as e:
                 return e
             except Exception as e:  # noqa: BLE001 — any simulator bug fails its episode, not the run
@@ -87,8 +87,46 @@ def _retryable(error: Exception) -> bool:
     return isinstance(error, (ValueError, AttributeError, TypeError, KeyError, IndexError))  # malformed body
 
 
+def bounded_http_client(timeout_s: float, max_bytes: int):
+    """An HTTP client for the openai library whose every request has timeout_s in all (not per socket read) and
+    an answer of at most max_bytes (sweet_jax.http_bounds); past either it fails like a timeout, and is retried."""
+    import httpx2
+
+    from sweet_jax import http_bounds
+
+    class BoundedTransport(httpx2.HTTPTransport):
+        def handle_request(self, request):
+            deadline = time.monotonic() + timeout_s
+            response = super().handle_request(request)
+            stream = response.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            try:
+                with http_bounds.watchdog(http_bounds.socket_stopper(sock), deadline):
+                    body = http_bounds.read_body(response.stream, deadline=deadline, max_bytes=max_bytes,
+                                                 timeout_s=timeout_s, where=str(request.url),
+                                                 content_length=response.headers.get("content-length"))
+            except http_bounds.AnswerBoundError as e:
+                raise httpx2.ReadTimeout(str(e), request=request) from e
+            finally:
+                response.close()
+            headers = [(k, v) for k, v in response.headers.multi_items()
+                       if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]
+            return httpx2.Response(response.status_code, headers=headers, content=body,
+                                   extensions={k: v for k, v in response.extensions.items() if k != "network_stream"})
+
+    return httpx2.Client(transport=BoundedTransport(), timeout=timeout_s, follow_redirects=True)
+
+
+def clean_reply(text: str) -> str:
+    """A simulator's reply as text that can be stored: lone surrogates (a JSON escape like \\ud800 decodes to one,
+    and no UTF-8 file can hold it) become U+FFFD."""
+    from sweet_jax.jsonl import replace_lone_surrogates
+    return replace_lone_surrogates(text)
+
+
 class OpenAISimulator(Simulator):
-    """The human simulator served by an OpenAI-compatible endpoint (temperature 0, as the paper)."""
+    """The human simulator served by an OpenAI-compatible endpoint (temperature 0, as the paper). Each request has
+    timeout_s in all, an answer of at most http_bounds.answer_cap(max_tokens) bytes, and a reply of text."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str = "EMPTY", timeout_s: float = 60.0,
                  max_retries: int = 3, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
@@ -100,8 +138,10 @@ class OpenAISimulator(Simulator):
             raise SimulatorError("OpenAISimulator: base_url is empty; set --config.simulator.base_url "
                                  "(e.g. http://127.0.0.1:8000/v1)")
         # Our own retry loop (below) decides what to retry, so the client's is off.
-        self.client = client or openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY",
-                                              timeout=timeout_s, max_retries=0)
+        from sweet_jax import http_bounds
+        self.client = client or openai.OpenAI(
+            base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=0,
+            http_client=bounded_http_client(timeout_s, http_bounds.answer_cap(max_tokens)))
         self.base_url, self.model = base_url, model
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.concurrency, self.max_tokens, self.temperature = max(1, concurrency), max_tokens, temperature
@@ -114,7 +154,10 @@ class OpenAISimulator(Simulator):
         content = completion.choices[0].message.content  # malformed bodies fail here and are retried
         if not isinstance(content, str):
             raise TypeError(f"the completion's message content is {type(content).__name__}, not text")
-        return content
+        used = getattr(getattr(completion, "usage", None), "completion_tokens", None)
+        if isinstance(used, int) and used > self.max_tokens:  # an answer to another request: retried
+            raise ValueError(f"the endpoint reports {used} completion tokens for max_tokens={self.max_tokens}")
+        return clean_reply(content)
 
     def reply(self, task, dialogue):
         return self.complete(simulator_messages(task, dialogue, template=self.template,
@@ -142,9 +185,11 @@ class OpenAISimulator(Simulator):
                     break
                 log.info("simulator attempt %d/%d failed: %s: %s", attempt + 1, self.max_retries + 1,
                          type(e).__name__, e)
+        cause = last_error.__cause__ or last_error  # the bound that cut an answer, not "Request timed out."
         raise SimulatorError(
             f"human simulator at {self.base_url} (model {self.model!r}) failed after "
-            f"{attempt + 1} attempt(s): {type(last_error).__name__}: {str(last_error)[:300]}")
+            f"{attempt + 1} attempt(s): {type(last_error).__name__}: {str(last_error)[:300]}"
+            + (f" ({str(cause)[:300]})" if cause is not last_error else ""))
 
     def close(self):
         self.client.close()
@@ -174,7 +219,7 @@ class ModelSimulator(Simulator):
                                         seed=self.seed)
         except Exception as e:  # noqa: BLE001 — an in-process failure fails these episodes, not the run
             return [SimulatorError(f"ModelSimulator sampler failed: {type(e).__name__}: {e}")] * len(requests)
-        return [output_text(o) for o in outputs]
+        return [clean_reply(output_text(o)) for o in outputs]
 
 
 def output_text(output) -> str:

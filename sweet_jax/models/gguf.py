@@ -164,7 +164,10 @@ def gguf_config(path, reader=None, **overrides) -> LlamaConfig:
         eos_token_id=_metadata(reader, "tokenizer.ggml.eos_token_id"),
     )
     kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    try:  # sizes (block_count, ...) are checked here, before anything is built
+        return LlamaConfig(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise GGUFError(f"{path}: metadata gives {e}; the file is damaged or not a Llama's.") from None
 
 
 def _rope_scaling(path, reader, tensors, head_dim) -> tuple | None:
@@ -324,6 +327,12 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
     tokens = _metadata(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFError(f"{path}: metadata key tokenizer.ggml.tokens is missing; the file carries no tokenizer.")
+    first_id: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):  # a token twice: the vocabulary would shift ids against the metadata
+        if first_id.setdefault(token, token_id) != token_id:
+            raise GGUFError(f"{path}: tokenizer.ggml.tokens holds {token!r} twice (ids {first_id[token]} and "
+                            f"{token_id}); a vocabulary built from it would give other ids than the metadata's "
+                            "(bos, eos, the embedding rows). The file is damaged.")
     kind = _metadata(reader, "tokenizer.ggml.model")
     if kind == "gpt2":
         backend = _byte_level_bpe(path, reader, tokens)

@@ -182,6 +182,10 @@ def read_hf_config(path) -> dict:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise HFCheckpointError(f"{config_file}: field {key!r} is missing.")
+    try:  # sizes (llama.SIZE_LIMITS) and their consistency, before any reader builds anything from them
+        LlamaConfig.from_hf(hf)
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise HFCheckpointError(f"{config_file}: {e}; the config is damaged or not a Llama's.") from None
     return hf
 
 
@@ -194,16 +198,68 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+
+
 def _read_safetensors_header(file: pathlib.Path) -> tuple[dict, int]:
-    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data section)."""
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data section), validated as the
+    safetensors library validates it: a header length within the file and its limit, a JSON object, each tensor's
+    dtype known, shape of non-negative integers and offsets [begin, end] with end - begin its byte size, and the
+    tensors tiling the data section from 0 to its end (no overlap, no gap, nothing past the file)."""
+    size = file.stat().st_size
     with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            raise HFCheckpointError(f"{file}: not a safetensors file (header length {n} for a {size}-byte file; "
+                                    f"at most {MAX_HEADER_BYTES}).")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise HFCheckpointError(f"{file}: not a safetensors file (unreadable header).") from None
+    if not isinstance(header, dict):
+        raise HFCheckpointError(f"{file}: not a safetensors file (the header is not a JSON object).")
     header.pop("__metadata__", None)
+    spans = []
+    for name, info in header.items():
+        def bad(why):
+            return HFCheckpointError(f"{file}: tensor {name!r}: {why}; the file is damaged or not a safetensors "
+                                     "checkpoint (re-download or re-export it).")
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            raise bad(f"dtype {info.get('dtype') if isinstance(info, dict) else info!r} is not a safetensors dtype "
+                      f"({', '.join(_ST_DTYPES)})")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"shape {shape!r} is not a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, its shape {shape} x "
+                      f"{info['dtype']} needs {nbytes}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise HFCheckpointError(f"{file}: tensor {name!r} starts at byte {begin} of the data, but the tensor "
+                                    f"before it ends at {end}: the tensors {'overlap' if begin < end else 'leave a gap'}"
+                                    "; the file is damaged or not a safetensors checkpoint.")
+        end = stop
+    if 8 + n + end != size:
+        raise HFCheckpointError(f"{file}: the header describes {end} bytes of tensor data, the file holds "
+                                f"{size - 8 - n}; the file is truncated or damaged (re-download or re-export it).")
     return header, 8 + n
+
+
+def _model_file(path: pathlib.Path, name, where) -> pathlib.Path:
+    """`name` (from the index) as a file of the model directory: a relative path that stays inside it."""
+    import os
+    if not isinstance(name, str) or not name or os.path.isabs(name) or \
+            os.path.normpath(name).split(os.sep)[0] == os.pardir:
+        raise HFCheckpointError(f"{where}: names the file {name!r}, which is not inside the model directory {path}; "
+                                "an index may only name files beside it.")
+    return path / name
 
 
 class TensorSource(Protocol):
@@ -231,8 +287,12 @@ class _SafetensorsDir:
     def __init__(self, path: pathlib.Path):
         index_file = path / "model.safetensors.index.json"
         if index_file.is_file():
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise HFCheckpointError(f"{index_file}: not a safetensors index (JSON with a weight_map of tensor "
+                                        "name -> file name).") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
             if not files:
@@ -240,7 +300,7 @@ class _SafetensorsDir:
                                         f"Convert .bin checkpoints with transformers' save_pretrained first.")
         self.entries: dict[str, tuple[pathlib.Path, dict, int]] = {}
         for name in files:
-            file = path / name
+            file = _model_file(path, name, index_file)
             if not file.is_file():
                 raise HFCheckpointError(f"{index_file}: lists {name}, which does not exist in {path}.")
             header, data_start = _read_safetensors_header(file)

@@ -40,6 +40,10 @@ from sweet_jax.models.attention import (ATTENTION_IMPLS, KVCache, cache_slots, c
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "everything_saveable", "nothing_saveable")
+# The largest size a config may ask for, each well above any Llama (405B: hidden 16384, FFN 53248, 126 layers,
+# 128 heads): a config file past one is hostile or damaged, and is refused before anything is built.
+SIZE_LIMITS = {"vocab_size": 1 << 21, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_layers": 1024,
+               "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -90,6 +94,10 @@ class LlamaConfig:
     residual_sharding: tuple | None = None
 
     def __post_init__(self):
+        for field, limit in SIZE_LIMITS.items():
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= limit:
+                raise ValueError(f"{field}={value!r}: expected an integer in [1, {limit}]")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.remat not in REMAT_POLICIES:

@@ -1,0 +1,108 @@
+"""The frontend renderer's bounds that hold without a browser: the page server's bookkeeping under a flood,
+screenshots cut and refused by size, the browser's memory bound (a cgroup, or a data limit per process)."""
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sweet_jax.envs import browser
+from sweet_jax.sandbox.evaluator import _MemoryCgroups
+
+
+def proxy_get(address: str, url: str) -> int:
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        return int(s.recv(64).split()[1])
+
+
+def test_a_flood_of_refused_requests_keeps_the_bookkeeping_bounded():
+    """A page that fires thousands of requests: each is refused and counted; only the last REFUSED_KEPT lines
+    are kept (the list grew by ~100 MB a render)."""
+    server = browser.PageServer()
+    try:
+        for i in range(browser.REFUSED_KEPT + 150):
+            assert proxy_get(server.address, f"http://127.0.0.1:9/{'x' * 2000}{i}") == 403
+        assert server.refused_count == browser.REFUSED_KEPT + 150
+        assert len(server.refused) == browser.REFUSED_KEPT and all(len(line) <= 300 for line in server.refused)
+        assert all(line.startswith("GET http://127.0.0.1:9/xxx") for line in server.refused)
+    finally:
+        server.close()
+
+
+def test_connections_past_the_limit_are_dropped_not_given_threads(monkeypatch):
+    monkeypatch.setattr(browser, "MAX_CONNECTIONS", 8)
+    server = browser.PageServer()
+    idle = []
+    try:
+        host, port = server.address.split(":")
+        before = threading.active_count()
+        for _ in range(40):  # connections that never send a request
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 8
+        assert server.dropped_connections >= 40 - 8
+        url = server.add("<p>hi</p>")
+        for s in idle:
+            s.close()
+        time.sleep(0.5)
+        assert proxy_get(server.address, url) == 200  # slots come back once the flood ends
+    finally:
+        server.close()
+
+
+def test_a_wide_page_is_cut_shorter_to_the_pixel_bound():
+    assert browser.screenshot_clip(1000, 600) == browser.VIEWPORT  # at least the viewport
+    width, height = browser.screenshot_clip(10 ** 6, 10 ** 6)
+    assert width == browser.VIEWPORT[0] * 4 and width * height <= browser.MAX_SCREENSHOT_PIXELS
+    assert browser.screenshot_clip(1280, 3000) == (1280, 3000)  # an honest long page is untouched
+
+
+def png_of(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_screenshot_of_noise_is_refused_in_the_renderer_and_an_honest_one_passes(monkeypatch):
+    monkeypatch.setattr(browser, "MAX_SCREENSHOT_BYTES", 1 << 20)
+    noise = png_of(np.random.default_rng(0).integers(0, 256, (800, 1280, 3), dtype=np.uint8))  # ~3 MB
+    with pytest.raises(browser.ScreenshotTooLargeError, match="bytes, more than 1048576"):
+        browser.checked_screenshot(noise)
+    honest = browser.placeholder_png((1280, 800))
+    assert browser.checked_screenshot(honest) == honest
+
+
+def test_a_screenshot_past_the_pixel_bound_is_refused_from_its_header(monkeypatch):
+    monkeypatch.setattr(browser, "MAX_SCREENSHOT_PIXELS", 1000)
+    with pytest.raises(browser.ScreenshotTooLargeError, match="40x40 pixels"):
+        browser.checked_screenshot(png_of(np.zeros((40, 40, 3), np.uint8)))
+
+
+ALLOCATE = "x = bytearray({mb} << 20); x[::4096] = b'1' * len(x[::4096]); print('allocated')"
+
+
+@pytest.mark.parametrize("where", ["data limit", "cgroup"])
+def test_the_browser_memory_bound_stops_a_process_past_it_and_lets_one_under_it_run(where):
+    cgroups = _MemoryCgroups() if where == "cgroup" else None
+    if where == "cgroup" and not cgroups.available:
+        pytest.skip("this host gives this process no memory cgroup (the data limit is used instead: tested too)")
+
+    def run(mb):
+        preexec, cleanup = browser.memory_bound(200, cgroups)
+        try:
+            return subprocess.run([sys.executable, "-c", ALLOCATE.format(mb=mb)], preexec_fn=preexec,
+                                  capture_output=True, text=True, timeout=60)
+        finally:
+            cleanup()
+    assert run(50).stdout.strip() == "allocated"
+    over = run(400)
+    assert over.returncode != 0 and "allocated" not in over.stdout
