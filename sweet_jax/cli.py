@@ -282,6 +282,13 @@ def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
     return "\n\n".join(out)
 
 
+def define_accept_config_change(record: str) -> None:
+    """The --accept_config_change flag of every command that writes results (rundir.record_config's rule)."""
+    from absl import flags
+    flags.DEFINE_bool("accept_config_change", False, "rerun on results made with another config: go on with the "
+                      f"new values (the change is recorded in {record}); without it such a rerun is refused")
+
+
 def _flag_lines(names: Sequence[str]) -> str:
     from absl import flags
     lines = []

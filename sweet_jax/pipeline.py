@@ -750,12 +750,13 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 # The run
 # ==========================================================================================================
 
-def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
-    """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report')."""
+def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
+    """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
+    accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_same_config(config, workdir)
+    _check_same_config(config, workdir, accept_change=accept_config_change)
     run = Run(config, workdir)
     s: dict[str, Any] = {}
     try:
@@ -796,28 +797,18 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
     return s
 
 
-def _check_same_config(config, workdir: pathlib.Path) -> None:
-    """A workdir belongs to one config: resuming with other values would mix runs, so say so."""
-    path = workdir / "pipeline_config.json"
-    text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-    if path.exists() and path.read_text() != text:
-        old = json.loads(path.read_text())
-        new = json.loads(text)
-        diff = sorted(_diff(old, new))
-        log.warning("the config differs from the one this workdir was started with (%s); finished stages keep "
-                    "their results, only the remaining ones use the new values", ", ".join(diff[:8]))
-        (workdir / f"pipeline_config.{int(time.time())}.json").write_text(text)
-        return
-    path.write_text(text)
-
-
-def _diff(a, b, prefix="") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in set(a) | set(b):
-            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [prefix.rstrip(".")] if a != b else []
+def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = False) -> None:
+    """A workdir belongs to one config (rundir.record_config's rule, as for train, rank and rollout): a rerun
+    with other values is refused while a stage has finished, since finished stages would keep the old values'
+    results, unless accept_change, which records the change in pipeline_config_changes.jsonl."""
+    from sweet_jax import rundir
+    produced = any(workdir.rglob(DONE))
+    changes = rundir.record_config(config, workdir / "pipeline_config.json", produced=produced,
+                                   accept_change=accept_change, where=str(workdir))
+    if changes and produced:
+        log.warning("config changed on this rerun (recorded in pipeline_config_changes.jsonl); finished stages keep "
+                    "their results, only the remaining ones use the new values: %s",
+                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
 
 
 def main(argv):
@@ -825,7 +816,7 @@ def main(argv):
     del argv
     FLAGS = flags.FLAGS
     logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
-    summaries = run_pipeline(FLAGS.config, FLAGS.workdir)
+    summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)
     print(f"stages run: {', '.join(summaries['_ran']) or 'none'}; skipped (already done): "
           f"{', '.join(summaries['_skipped']) or 'none'}", flush=True)
@@ -839,6 +830,7 @@ def define_flags():
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
                                     "pipeline config (file:preset)", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
+    cli.define_accept_config_change("WORKDIR/pipeline_config_changes.jsonl")
     flags.mark_flags_as_required(["workdir"])
 
 

@@ -119,6 +119,7 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
     config = demo_config(file="critic.py", preset="demo")
     assert rundir.write_config(config, tmp_path) == []
     assert rundir.write_config(config, tmp_path) == []  # the same config: a plain resume
+    (tmp_path / rundir.CHECKPOINT_DIR / "2").mkdir(parents=True)  # the run has saved a step: its results exist
     changed = demo_config(file="critic.py", preset="demo", optim__lr=0.01)
     with pytest.raises(rundir.RunDirError, match=r"optim.lr: 0.003 -> 0.01"):
         rundir.write_config(changed, tmp_path)
@@ -127,6 +128,22 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
     assert rundir.read_config(tmp_path).optim.lr == 0.01
     [record] = [json.loads(line) for line in (tmp_path / rundir.CONFIG_CHANGES).read_text().splitlines()]
     assert record["changes"] == [{"field": "optim.lr", "old": 0.003, "new": 0.01}] and record["time"]
+    assert record["why"].startswith("accepted")
+
+
+def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, tmp_path):
+    """A wrong trajectories path fails before any step is saved; the rerun with the right path trains, and the
+    replaced config is on record."""
+    from sweet_jax import rundir
+
+    failed = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'typo.jsonl'}", check=False)
+    assert failed.returncode == 2 and "typo.jsonl" in failed.stderr, failed.stderr[-2000:]
+    run_train(tmp_path / "run", data, "--config.train.num_steps=2")
+    assert steps_on_disk(tmp_path / "run") == [2]
+    assert rundir.read_config(tmp_path / "run").data.trajectories == str(data)
+    [record] = [json.loads(line) for line in (tmp_path / "run" / rundir.CONFIG_CHANGES).read_text().splitlines()]
+    assert {c["field"] for c in record["changes"]} == {"data.trajectories", "train.num_steps"}
+    assert "produced nothing" in record["why"]
 
 
 def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
