@@ -95,6 +95,19 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices
+    c.metrics = metrics_config()
+    return c
+
+
+def metrics_config() -> ml_collections.ConfigDict:
+    """Experiment tracking (sweet_jax.metrics.MetricsWriter); metrics.jsonl is always written. Not part of what a
+    run is: a rerun may change these freely."""
+    c = ml_collections.ConfigDict()
+    c.writers = "tensorboard"         # comma-separated: tensorboard (WORKDIR/tensorboard), wandb (pip install wandb)
+    c.wandb_project = "sweet_jax"
+    c.wandb_mode = "offline"          # offline (no network; `wandb sync WORKDIR/wandb/offline-run-*` later) | online
+    c.group = ""                      # runs shown together (the pipeline: its workdir, one run per stage)
+    c.name = ""                       # this run's name; '' = the workdir's name
     return c
 
 
@@ -117,6 +130,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
     need(config.train.batch_size > 0, "train.batch_size", "must be > 0")
+    if "metrics" in config:
+        from sweet_jax.metrics import writer_names
+        try:
+            writer_names(config.metrics.writers)
+        except ValueError as e:
+            need(False, "metrics.writers", str(e))
     mb = config.train.micro_batch_size
     need(mb == 0 or (mb > 0 and config.train.batch_size % mb == 0), "train.micro_batch_size",
          f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")

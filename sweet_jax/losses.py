@@ -349,6 +349,8 @@ def dpo_loss(logp_chosen_B: jax.Array, logp_rejected_B: jax.Array, ref_logp_chos
         "margin": mean(h),
         "chosen_score": mean(chosen_reward),
         "rejected_score": mean(rejected_reward),
+        "chosen_logp": mean(logp_chosen_B),      # the policy's summed reply log-probs, not relative to pi_ref
+        "rejected_logp": mean(logp_rejected_B),
     }
     return loss, metrics
 

@@ -265,6 +265,10 @@ def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
 
     # A rerun of the pipeline with other values goes on with them (run_pipeline says so); the training run
     # records the change.
+    # Tracking: every stage of this pipeline run in one group (W&B), TensorBoard runs under WORKDIR/STAGE/train.
+    tconfig.metrics.update(run.config.get("metrics") or {})
+    tconfig.metrics.group = tconfig.metrics.group or run.workdir.name
+    tconfig.metrics.name = f"{run.workdir.name}/{d.relative_to(run.workdir)}"
     summary = trainer.run(tconfig, d / "train", accept_config_change=True)
     export_trained(d / "train", d / "hf")
     return {"hf": str(d / "hf"), "steps": summary["steps"], "train_examples": summary["train_examples"],
@@ -804,7 +808,7 @@ def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = F
     from sweet_jax import rundir
     produced = any(workdir.rglob(DONE))
     changes = rundir.record_config(config, workdir / "pipeline_config.json", produced=produced,
-                                   accept_change=accept_change, where=str(workdir))
+                                   accept_change=accept_change, where=str(workdir), ignore=rundir.TRACKING_FIELDS)
     if changes and produced:
         log.warning("config changed on this rerun (recorded in pipeline_config_changes.jsonl); finished stages keep "
                     "their results, only the remaining ones use the new values: %s",

@@ -30,6 +30,7 @@ CONFIG_CHANGES = "config_changes.jsonl"
 INVOCATIONS = "invocations.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = "summary.json"
+TRACKING_FIELDS = ("metrics",)   # where the metrics go, not what the run is: a rerun may change them
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "transformers", "tokenizers", "numpy",
             "ml_collections", "sweet-jax")
 
@@ -146,7 +147,7 @@ def write_config(config, workdir, *, accept_change: bool = False, write: bool = 
     workdir = _path(workdir)
     return record_config(config, workdir / CONFIG_FILE, produced=has_checkpoints(workdir),
                          accept_change=accept_change, write=write, text_record=workdir / CONFIG_TEXT,
-                         where=str(workdir))
+                         where=str(workdir), ignore=TRACKING_FIELDS)
 
 
 def finished_summary(config, workdir) -> dict | None:
@@ -155,7 +156,8 @@ def finished_summary(config, workdir) -> dict | None:
     summary, saved = workdir / SUMMARY_FILE, workdir / CONFIG_FILE
     if not (summary.exists() and saved.exists()):
         return None
-    if config_changes(json.loads(saved.read_text()), json.loads(config_json(config))):
+    if [change for change in config_changes(json.loads(saved.read_text()), json.loads(config_json(config)))
+            if not _new_field_at_its_default(*change) and change[0].split(".")[0] not in TRACKING_FIELDS]:
         return None
     return json.loads(summary.read_text())
 

@@ -257,7 +257,12 @@ class Trainer:
             self.logdir.mkdir(parents=True, exist_ok=True)
             if (workdir / "metrics.jsonl").exists():
                 (self.logdir / "metrics.jsonl").write_text((workdir / "metrics.jsonl").read_text())
-        self.writer = metrics_lib.MetricsWriter(self.logdir, resume_step=self.step)
+        tracking = self.config.get("metrics") or {}
+        self.writer = metrics_lib.MetricsWriter(
+            self.logdir, resume_step=self.step, writers=tracking.get("writers", "tensorboard"),
+            group=tracking.get("group", ""), name=tracking.get("name", ""),
+            wandb_project=tracking.get("wandb_project", "sweet_jax"), wandb_mode=tracking.get("wandb_mode", "offline"),
+            config=json.loads(rundir.config_json(self.config)))
         self.peak_flops, self.peak_desc = metrics_lib.peak_flops_total(jax.devices())
         log.info("MFU peak: %s", self.peak_desc)
         self.all_finite = jax.jit(lambda tree: jax.numpy.all(jax.numpy.stack(
