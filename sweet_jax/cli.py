@@ -102,6 +102,26 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def default_preset_note(argv: Sequence[str]) -> str | None:
+    """A `--config FILE` without `:PRESET` runs the file's default preset: say which, so that a run is never the
+    demo by accident. None when a preset is named (or there is no --config)."""
+    import inspect
+
+    value = next((a[len("--config="):] for a in argv if a.startswith("--config=")), None)
+    if value is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        value = argv[argv.index("--config") + 1]
+    if not value or ":" in value or not pathlib.Path(value).is_file():
+        return None
+    try:
+        default = inspect.signature(_load_config_module(pathlib.Path(value)).get_config).parameters["preset"].default
+    except (Exception, SystemExit):  # noqa: BLE001 - the flag parser reports a broken file
+        return None
+    presets = getattr(_load_config_module(pathlib.Path(value)), "PRESETS", None)
+    shown = pathlib.Path(value).name
+    return (f"--config configs/{shown} names no preset: running its default preset {default!r} "
+            f"(name one as configs/{shown}:PRESET{'; presets: ' + ', '.join(presets) if presets else ''})")
+
+
 # ==========================================================================================================
 # Logging: one handler, above the progress bars
 # ==========================================================================================================
@@ -420,6 +440,9 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
 
     def absl_main(rest):
         setup_logging()
+        note = default_preset_note(argv[1:])
+        if note:
+            logging.getLogger("sweet_jax").warning("%s", note)
         code = guarded(lambda: main(rest[1:]))
         sys.exit(code if isinstance(code, int) else 0)
 

@@ -19,7 +19,9 @@ from sweet_jax.sandbox import Evaluator
 
 def _load(path, skip_bad):
     """[(record to write back, task, answer)]: a bad row is one line naming file:line and field."""
-    return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad)]
+    no_reply = ("the agent never replied, so the row holds no answer to evaluate; drop it (or pass --skip-bad to "
+                "skip such rows) or add the agent's turns and its final `answer`")
+    return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad, no_reply=no_reply)]
 
 
 def _with_reward(record, reward, details):

@@ -100,6 +100,29 @@ def writer_names(text: str) -> tuple[str, ...]:
     return names
 
 
+PEAK_FILE = "mfu_peak.json"
+
+
+def run_peak_flops(logdir, devices) -> tuple[float, str]:
+    """The run's MFU peak: measured (or looked up) at its first start and kept in LOGDIR/mfu_peak.json, so that
+    every resume divides by the same number (a CPU's measured peak varies by tens of percent between starts).
+    A run moved to other devices gets a new peak (and says so). logdir None: look up without recording."""
+    devices = list(devices)
+    kind = f"{devices[0].device_kind} x {len(devices)}"
+    path = pathlib.Path(logdir) / PEAK_FILE if logdir is not None else None
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("devices") == kind:
+            return float(saved["peak_flops"]), saved["how"] + f" (recorded at the run's first start, {PEAK_FILE})"
+        log.warning("the run's MFU peak was recorded on %s, this start runs on %s: MFU from here on uses a new "
+                    "peak", saved.get("devices"), kind)
+    peak, how = peak_flops_total(devices)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"peak_flops": peak, "how": how, "devices": kind}) + "\n")
+    return peak, how
+
+
 class TensorBoardWriter:
     """Event files in LOGDIR/tensorboard (tensorboardX): `tensorboard --logdir DIR` reads every run below DIR."""
 

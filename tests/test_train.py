@@ -146,6 +146,41 @@ def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, 
     assert "produced nothing" in record["why"]
 
 
+def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_the_mfu_peak(straight_run, data,
+                                                                                              tmp_path):
+    import shutil
+
+    workdir = tmp_path / "extended"
+    shutil.copytree(straight_run, workdir)
+    peak = json.loads((workdir / "summary.json").read_text())["peak_flops"]
+    proc = run_train(workdir, data, "--config.data.eval_fraction=0.2", f"--config.train.num_steps={STEPS + 2}",
+                     "--accept_config_change")
+    assert f"the run was made for {STEPS} steps and now has {STEPS + 2}" in proc.stderr, proc.stderr[-3000:]
+    assert "the decay restarts" in proc.stderr
+    assert "recorded at the run's first start" in proc.stderr
+    assert json.loads((workdir / "summary.json").read_text())["peak_flops"] == peak
+
+
+def test_the_schedule_warning_names_the_lr_before_and_after():
+    from sweet_jax import trainer
+
+    optim = demo_config(file="critic.py", preset="demo").optim
+    assert trainer.schedule_change(optim, 100, 100, 100) is None
+    message = trainer.schedule_change(optim, 100, 200, 100)
+    assert "made for 100 steps and now has 200" in message and "jumps from 0.0003 to 0.00" in message
+
+
+def test_the_mfu_peak_is_measured_once_per_run(tmp_path, monkeypatch):
+    import jax
+
+    from sweet_jax import metrics
+
+    first = metrics.run_peak_flops(tmp_path, jax.devices())
+    monkeypatch.setattr(metrics, "peak_flops_total", lambda *_: (1.0, "measured again"))
+    again = metrics.run_peak_flops(tmp_path, jax.devices())
+    assert again[0] == first[0] and "recorded at the run's first start" in again[1]
+
+
 def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
     """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
     import ctypes.util
