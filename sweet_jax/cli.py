@@ -189,10 +189,38 @@ def _debug_traceback() -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2."""
+    """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2, and whose options
+    take both spellings, as every command's: `--served_model_name` (the one documented) and `--served-model-name`."""
 
     def error(self, message: str):
         exit_with_error(f"{message} (see {self.prog} --help)")
+
+    def add_argument(self, *names, **kwargs):
+        spellings = []
+        for name in names:
+            if name.startswith("--"):
+                underscored = "--" + name[2:].replace("-", "_")
+                spellings += [underscored] + ([] if underscored == name else [name])
+                dashed = "--" + name[2:].replace("_", "-")
+                spellings += [] if dashed in spellings else [dashed]
+            else:
+                spellings.append(name)
+        return super().add_argument(*spellings, **kwargs)
+
+
+def flag_spellings(argv: Sequence[str]) -> list[str]:
+    """argv with every flag name written with underscores (`--accept-config-change` -> `--accept_config_change`,
+    `--config.train.num-steps=3` -> `--config.train.num_steps=3`): absl and the config fields know only the
+    underscored names; values are left as they are, and so is everything after a bare `--`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + eq + value
+        out.append(arg)
+    return out
 
 
 # ==========================================================================================================
@@ -410,7 +438,7 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
         sys.exit(code if isinstance(code, int) else 0)
 
     from absl import app, flags
-    argv = [sys.argv[0]] + resolve_config_args(sys.argv[1:])
+    argv = [sys.argv[0]] + resolve_config_args(flag_spellings(sys.argv[1:]))
     sys.argv = argv  # config_flags reads the --config.FIELD overrides from sys.argv
     before = set(flags.FLAGS)
     try:

@@ -19,7 +19,7 @@ from sweet_jax.sandbox import Evaluator
 
 def _load(path, skip_bad):
     """[(record to write back, task, answer)]: a bad row is one line naming file:line and field."""
-    no_reply = ("the agent never replied, so the row holds no answer to evaluate; drop it (or pass --skip-bad to "
+    no_reply = ("the agent never replied, so the row holds no answer to evaluate; drop it (or pass --skip_bad to "
                 "skip such rows) or add the agent's turns and its final `answer`")
     return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad, no_reply=no_reply)]
 

@@ -257,4 +257,28 @@ def test_evaluate_a_row_without_an_assistant_turn_says_there_is_no_answer(tmp_pa
     row["dialogue_history"] = [t for t in row["dialogue_history"] if t["role"] != "assistant"]
     (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
     proc = command("sweet_jax.evaluate", "t.jsonl", "--out", "o.jsonl", cwd=tmp_path)
-    assert_one_line_error(proc, "t.jsonl:1", "dialogue_history", "no answer to evaluate", "--skip-bad")
+    assert_one_line_error(proc, "t.jsonl:1", "dialogue_history", "no answer to evaluate", "--skip_bad")
+
+
+def test_flag_names_take_underscores_or_dashes_values_are_left_alone():
+    assert cli.flag_spellings(["--accept-config-change", "--config.train.num-steps=3", "--workdir", "/a-b",
+                               "--peft_out=x-y", "--", "--not-a-flag"]) == [
+        "--accept_config_change", "--config.train.num_steps=3", "--workdir", "/a-b", "--peft_out=x-y", "--",
+        "--not-a-flag"]
+    parser = cli.ArgumentParser(prog="p")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--timeout_s", type=float)
+    assert vars(parser.parse_args(["--served_model_name", "m", "--timeout-s", "2"])) == {
+        "served_model_name": "m", "timeout_s": 2.0}
+    assert vars(parser.parse_args(["--served-model-name", "m", "--timeout_s", "2"])) == {
+        "served_model_name": "m", "timeout_s": 2.0}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("sweet_jax.export", "--workdir=/nope", "--peft-out=/tmp/x", "--max-shard-size=1GB", "--out=/tmp/y"), "/nope"),
+    (("sweet_jax.serve", "--model", "/nope", "--served_model_name", "m", "--max_batch_size", "4"), "/nope"),
+])
+def test_absl_and_argparse_commands_accept_the_other_spelling(tmp_path, args, needle):
+    """Past the flag parser either way: the error is about the missing directory, not an unknown flag."""
+    line = assert_one_line_error(command(*args, cwd=tmp_path), needle)
+    assert "unknown" not in line.lower() and "unrecognized" not in line.lower(), line
