@@ -1,7 +1,7 @@
 r"""Scores ColBench backend trajectories in the sandbox and writes them back with `reward` set.
 
     python -m sweet_jax.evaluate TRAJECTORIES.jsonl --out SCORED.jsonl [--details] \
-        [--compat strict|sweet_rl] [--workers N] [--timeout-s 2.0]
+        [--compat strict|sweet_rl] [--workers N] [--timeout_s 2.0]
 
 reward = fraction of the task's test cases passed; success = reward 1.0. Every field of the input
 records is kept. A trajectory whose evaluation hit a sandbox failure (status infra_error) is

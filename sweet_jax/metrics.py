@@ -171,8 +171,8 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir, *, resume_step: int = 0, enabled: bool | None = None,
-                 writers: str | tuple = "tensorboard", group: str = "", name: str = "", wandb_project: str = "sweet_jax",
-                 wandb_mode: str = "offline", config: dict | None = None):
+                 writers: str | tuple = "tensorboard", group: str = "", name: str = "",
+                 wandb_project: str = "sweet_jax", wandb_mode: str = "offline", config: dict | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.writers: dict[str, object] = {}

@@ -57,8 +57,8 @@ def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
 
         track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
         try:
-            summary = collect.rollout(tasks, policy, track.simulator, pathlib.Path(config.output), best_of=config.best_of,
-                                      batch_size=config.batch_size, max_turns=config.max_turns,
+            summary = collect.rollout(tasks, policy, track.simulator, pathlib.Path(config.output),
+                                      best_of=config.best_of, batch_size=config.batch_size, max_turns=config.max_turns,
                                       evaluator=track.scorer, progress=config.progress, make_env=FrontendEnv)
         finally:
             track.close()
@@ -128,7 +128,8 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    summary = dict(run(config, accept_config_change=flags.FLAGS.accept_config_change), track=config.get("track", "backend"))
+    summary = dict(run(config, accept_config_change=flags.FLAGS.accept_config_change),
+                   track=config.get("track", "backend"))
     print(format_summary(summary, config.output), flush=True)
 
 

@@ -15,7 +15,7 @@ with the reason.
 
 Compilation: each new shape (prompt-length bucket x new-token bucket x rows) compiles once, on the first request
 that needs it (seconds on a CPU, longer for an 8B model); `--warmup` compiles the single-row shapes of every
-prompt bucket up to --warmup-max-prompt before the server answers, and JAX's persistent compilation cache
+prompt bucket up to --warmup_max_prompt before the server answers, and JAX's persistent compilation cache
 (sweet_jax.cli) makes a restart's compiles loads.
 
 Token ids in and out, as vLLM serves them (what sweet_jax.policy_backend's `openai` backend sends): a completions

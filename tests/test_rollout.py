@@ -191,6 +191,7 @@ def rollout_cli(out, server_url, *extra):
             "--config.sandbox.workers=1", "--config.progress=False", *extra]
 
 
+@pytest.mark.slow
 def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, simulator_server):
     from sweet_jax.data.schema import load_trajectories
 

@@ -202,7 +202,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ("top_p", 0), ("n", 0), ("n", 1000), ("n", 2.5), ("seed", 2**70), ("seed", "7"), ("max_tokens", 0),
     ("max_tokens", 10**6), ("max_completion_tokens", -3), ("stop", ["a"] * 5), ("stop", [""]), ("stop", 5),
     ("logprobs", "yes"), ("presence_penalty", 0.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 5}),
-    ("stream", "yes"), ("stream_options", {"include_usage": True}), ("user", 5), ("messages", []), ("messages", [{"role": "user"}]), ("top_logprobs", 2),
+    ("stream", "yes"), ("stream_options", {"include_usage": True}), ("user", 5), ("messages", []),
+    ("messages", [{"role": "user"}]), ("top_logprobs", 2),
     ("temprature", 0.5),
 ])
 def test_every_chat_parameter_is_checked_and_named(server, field, value):

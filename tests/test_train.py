@@ -97,6 +97,7 @@ def straight_run(tmp_path_factory, data):
     return workdir
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_returns_at_once_and_a_changed_config_is_refused(straight_run, data):
     """The same command again: nothing rendered, no reference pass, no line added to metrics.jsonl. Another
     learning rate on the same workdir: one line naming the field, exit 2, the saved config untouched."""
@@ -131,6 +132,7 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
     assert record["why"].startswith("accepted")
 
 
+@pytest.mark.slow
 def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, tmp_path):
     """A wrong trajectories path fails before any step is saved; the rerun with the right path trains, and the
     replaced config is on record."""
@@ -146,6 +148,7 @@ def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, 
     assert "produced nothing" in record["why"]
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_the_mfu_peak(straight_run, data,
                                                                                               tmp_path):
     import shutil
@@ -181,6 +184,7 @@ def test_the_mfu_peak_is_measured_once_per_run(tmp_path, monkeypatch):
     assert again[0] == first[0] and "recorded at the run's first start" in again[1]
 
 
+@pytest.mark.slow
 def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
     """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
     import ctypes.util
@@ -191,6 +195,7 @@ def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
         assert "host allocator: system" in log  # the automatic choice falls back without a warning
 
 
+@pytest.mark.slow
 def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
     train = records(straight_run)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -235,6 +240,7 @@ runpy.run_module("sweet_jax.train", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupted_run(straight_run, data, tmp_path):
     """Killed (SIGKILL) after step 5 with checkpoints 2 and 4 on disk; checkpoint 4 then truncated: the rerun
     warns, falls back to step 2 (not 0), and ends with the same losses and parameters as the straight run."""
@@ -274,6 +280,7 @@ def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupt
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
 
+@pytest.mark.slow
 def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, tmp_path, caplog):
     """FSDP over the 8 devices (the presets' (1, -1, 1)) cannot split a batch of 4 pairs: the trainer runs on
     (1, 4, 2) instead, says so, and trains the step."""
@@ -291,6 +298,7 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
     assert any("mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """The step's loss turns NaN at step 3: the run stops, checkpoint 2 (whose weights gave that loss) is
     moved aside, checkpoint 1 stays as the last good one."""
@@ -380,6 +388,7 @@ def ranked_pairs(path, trajectories_path, tokenizer) -> pathlib.Path:
     return path
 
 
+@pytest.mark.slow
 def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_path):
     from sweet_jax import rundir
     from sweet_jax.data import datasets
@@ -407,6 +416,7 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
     np.testing.assert_array_equal(chosen.input_ids[:prompt_len], rejected.input_ids[:prompt_len])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
     """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
@@ -497,6 +507,7 @@ def test_entry_points_show_user_errors_as_one_line_and_exit_2(capsys):
         errors.cli_main(log, lambda: {}["missing"])
 
 
+@pytest.mark.slow
 def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tmp_path):
     """model.scan_layers + model.sequence_parallel (the layout the 8B/70B plan rows use) reach the trainer: on a
     (1, 2, 2) mesh the stacked-layer, token-split model trains like the per-layer one on one device, and its
