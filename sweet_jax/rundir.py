@@ -130,8 +130,8 @@ def changes_path(record):
     pairs.jsonl.config.json -> pairs.jsonl.config_changes.jsonl."""
     record = _path(record)
     stem = record.name[:-len(".json")] if record.name.endswith(".json") else record.name
-    return record.with_name(stem.replace("config", "config_changes") + ".jsonl" if "config" in stem
-                            else stem + ".config_changes.jsonl")
+    before, found, after = stem.rpartition("config")
+    return record.with_name(f"{before}config_changes{after}.jsonl" if found else f"{stem}.config_changes.jsonl")
 
 
 def has_checkpoints(workdir) -> bool:

@@ -32,6 +32,7 @@ def test_parse_topology_rejects_unknown_slices(bad):
         plan.parse_topology(bad)
 
 
+@pytest.mark.slow
 def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     c = tiny_config()
     c.data.max_len = 512
@@ -51,6 +52,7 @@ def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     assert "| v5e-4 (v5e:2x2) | critic | 512 |" in plan.report(result)
 
 
+@pytest.mark.slow
 def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_state():
     # The 8B/70B layout (stacked layers under jax.lax.scan, residual stream split over 'tensor') holds the
     # same per-chip state as the per-layer model and still compiles for a TPU slice.
@@ -73,6 +75,7 @@ def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_s
     assert scanned.layout.startswith("scan") and "SP" in scanned.layout and unrolled.layout.startswith("unrolled")
 
 
+@pytest.mark.slow
 def test_the_residual_stream_keeps_its_batch_split_over_the_fsdp_chips(monkeypatch):
     # Unconstrained, XLA may follow the FSDP-sharded embedding instead: every chip then computes the whole batch
     # with the hidden size split (the 8B LoRA critic on v5e-8 compiled to 21.30 GiB of temps that way, 12.29 with
@@ -124,6 +127,7 @@ def test_out_of_memory_from_the_tpu_compiler_reads_as_does_not_fit():
     assert not refused.fits and "NO" in plan.report(refused) and "refused" in plan.report(refused)
 
 
+@pytest.mark.slow
 def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_hbm():
     c = tiny_config()
     c.data.max_len = 128
@@ -144,6 +148,7 @@ def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_
     assert "bf16 moments, opt state on host" in low.layout and "host" in plan.report(low)
 
 
+@pytest.mark.slow
 def test_local_topology_compiles_for_this_hosts_devices_with_their_memory():
     # --topology local: the devices JAX sees (8 fake CPU devices in the tests, a GPU under jax[cuda]); the same
     # step and state as for a TPU slice of as many chips, compiled for the real backend.
@@ -183,6 +188,7 @@ def test_fit_layouts_are_ordered_cheapest_first_and_skip_what_the_config_already
     assert ("mesh.shape", (1, 2, 2)) in {kv for layout in layouts for kv in layout.overrides}
 
 
+@pytest.mark.slow
 def test_fit_compiles_cheapest_first_and_prints_the_command_of_the_first_layout_that_fits():
     """A tiny critic on a v5e 2x2 slice, with a per-chip budget just under what its configured layout needs: the
     search stops at the first (cheapest) layout under it, and the commands carry the user's flags and its own."""
@@ -217,6 +223,7 @@ def test_slice_presets_carry_the_layouts_measured_to_fit_those_slices():
     assert c.optim.lr == module.get_config("llama3_8b").optim.lr == 2e-7
 
 
+@pytest.mark.slow
 def test_plan_fit_on_the_command_line_prints_the_layout_and_the_exact_commands(tmp_path):
     import pathlib
     import subprocess

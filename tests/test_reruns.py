@@ -129,3 +129,9 @@ def test_pipeline_start_that_finished_no_stage_is_replaced_by_its_fixed_rerun(tm
     config.seed = config.seed + 1
     pipeline._check_same_config(config, tmp_path)
     assert json.loads((tmp_path / "pipeline_config.json").read_text())["seed"] == config.seed
+
+
+def test_the_changes_file_sits_beside_its_record():
+    assert rundir.changes_path("/w/config.json").name == "config_changes.jsonl"
+    assert rundir.changes_path("/w/config_pairs.jsonl.config.json").name == "config_pairs.jsonl.config_changes.jsonl"
+    assert rundir.changes_path("/w/pipeline_config.json").name == "pipeline_config_changes.jsonl"
