@@ -12,6 +12,8 @@ Presets:
               token mask (data.mask_style=official), c as a raw prefix, the trajectory-mean score, over-long
               sequences cut from the right (data.length_policy=cut_right).
   demo_official  demo with the same official behaviour.
+  llama3_8b_v5e_16, llama3_8b_v6e_8  llama3_8b in the layout measured to fit that slice (config_utils.SLICE_LAYOUTS;
+              other slices: python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology SLICE --fit).
   demo_lora   demo trained through LoRA adapters (rank 8 on q,k,v,o,gate,up,down; config section `lora`); any
               preset takes --config.lora.rank=16 --config.lora.alpha=32 --config.lora.targets=q,v the same way.
 """
@@ -21,6 +23,7 @@ from sweet_jax import config_utils
 def get_config(preset: str = "demo"):
     c = config_utils.base_config()
     c.loss.kind = "critic"
+    preset, layout = config_utils.slice_preset(preset, "critic")
     lora = preset.endswith("_lora")
     preset = preset[:-len("_lora")] if lora else preset
     if preset in ("demo", "demo_no_info", "demo_official"):
@@ -42,7 +45,8 @@ def get_config(preset: str = "demo"):
         c.loss.use_info = preset != "no_info"
     else:
         raise ValueError(f"unknown critic preset {preset!r}: use one of demo, demo_no_info, llama3_8b, no_info, "
-                         "demo_official, official, demo_lora (as configs/critic.py:demo)")
+                         "demo_official, official, demo_lora, llama3_8b_v5e_16, llama3_8b_v6e_8 "
+                         "(as configs/critic.py:demo)")
     if preset.endswith("official"):
         config_utils.official(c)
     if lora:
@@ -50,5 +54,6 @@ def get_config(preset: str = "demo"):
             raise ValueError(f"unknown critic preset {preset}_lora: the LoRA preset is demo_lora (elsewhere set "
                              "--config.lora.rank)")
         config_utils.lora_demo(c)
+    config_utils.apply_layout(c, layout)
     c.lock()
     return c

@@ -22,7 +22,7 @@ fields as configs/critic.py and configs/policy.py) with the values below.
 """
 import ml_collections
 
-from sweet_jax import policy_backend
+from sweet_jax import config_utils, policy_backend
 
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")
 METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_iterative on request
@@ -54,6 +54,7 @@ def get_config(preset: str = "demo"):
     c.seed = 0                        # model init, SFT/critic/policy data order, sampling
     c.methods = ",".join(METHODS)     # which policies to build and evaluate (zero_shot is the starting policy)
     c.agent_prompt = False            # prepend envs.AGENT_PROMPT to the agent's dialogue (rollouts, ranking)
+    c.metrics = config_utils.metrics_config()  # the training stages' tracking, grouped per pipeline run
 
     # (1) tasks
     c.tasks = ml_collections.ConfigDict()

@@ -11,11 +11,14 @@ baselines demo_mtdpo, demo_rft, mtdpo, rft. official: llama3_8b as the official 
 from the official code"): reads the official pairs file (chosen / rejected strings) as well as sweet_jax.rank's,
 the NLL over the whole chosen sequence (loss.nll_scope=sequence), sequences cut from the right at 16384 tokens;
 demo_official: demo with the same behaviour. demo_lora: demo trained through LoRA adapters (rank 8 on every
-projection; config section `lora`, e.g. --config.lora.rank=16 on any preset).
+projection; config section `lora`, e.g. --config.lora.rank=16 on any preset). llama3_8b_v5e_16, llama3_8b_v6e_8:
+llama3_8b in the layout measured to fit that slice (config_utils.SLICE_LAYOUTS; other slices: python -m
+sweet_jax.plan --config configs/policy.py:llama3_8b --topology SLICE --fit).
 """
 from sweet_jax import config_utils
 
-PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "demo_lora", "llama3_8b", "mtdpo", "rft", "official")
+PRESETS = ("demo", "demo_mtdpo", "demo_rft", "demo_official", "demo_lora", "llama3_8b", "mtdpo", "rft", "official",
+           "llama3_8b_v5e_16", "llama3_8b_v6e_8")
 
 
 def get_config(preset: str = "demo"):
@@ -23,6 +26,7 @@ def get_config(preset: str = "demo"):
     if preset not in PRESETS:
         raise ValueError(f"unknown policy preset {preset!r}: use one of {', '.join(PRESETS)} "
                          "(as configs/policy.py:demo)")
+    preset, layout = config_utils.slice_preset(preset, "policy")
     lora = preset == "demo_lora"
     preset = "demo" if lora else preset
     kind = preset.split("_")[-1] if preset.startswith("demo_") else preset
@@ -49,5 +53,6 @@ def get_config(preset: str = "demo"):
             c.data.max_len = 16384  # the official policy run's --max_len
     if lora:
         config_utils.lora_demo(c)
+    config_utils.apply_layout(c, layout)
     c.lock()
     return c

@@ -102,6 +102,26 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def default_preset_note(argv: Sequence[str]) -> str | None:
+    """A `--config FILE` without `:PRESET` runs the file's default preset: say which, so that a run is never the
+    demo by accident. None when a preset is named (or there is no --config)."""
+    import inspect
+
+    value = next((a[len("--config="):] for a in argv if a.startswith("--config=")), None)
+    if value is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        value = argv[argv.index("--config") + 1]
+    if not value or ":" in value or not pathlib.Path(value).is_file():
+        return None
+    try:
+        default = inspect.signature(_load_config_module(pathlib.Path(value)).get_config).parameters["preset"].default
+    except (Exception, SystemExit):  # noqa: BLE001 - the flag parser reports a broken file
+        return None
+    presets = getattr(_load_config_module(pathlib.Path(value)), "PRESETS", None)
+    shown = pathlib.Path(value).name
+    return (f"--config configs/{shown} names no preset: running its default preset {default!r} "
+            f"(name one as configs/{shown}:PRESET{'; presets: ' + ', '.join(presets) if presets else ''})")
+
+
 # ==========================================================================================================
 # Logging: one handler, above the progress bars
 # ==========================================================================================================
@@ -176,10 +196,38 @@ def _debug_traceback() -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2."""
+    """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2, and whose options
+    take both spellings, as every command's: `--served_model_name` (the one documented) and `--served-model-name`."""
 
     def error(self, message: str):
         exit_with_error(f"{message} (see {self.prog} --help)")
+
+    def add_argument(self, *names, **kwargs):
+        spellings = []
+        for name in names:
+            if name.startswith("--"):
+                underscored = "--" + name[2:].replace("-", "_")
+                spellings += [underscored] + ([] if underscored == name else [name])
+                dashed = "--" + name[2:].replace("_", "-")
+                spellings += [] if dashed in spellings else [dashed]
+            else:
+                spellings.append(name)
+        return super().add_argument(*spellings, **kwargs)
+
+
+def flag_spellings(argv: Sequence[str]) -> list[str]:
+    """argv with every flag name written with underscores (`--accept-config-change` -> `--accept_config_change`,
+    `--config.train.num-steps=3` -> `--config.train.num_steps=3`): absl and the config fields know only the
+    underscored names; values are left as they are, and so is everything after a bare `--`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + eq + value
+        out.append(arg)
+    return out
 
 
 # ==========================================================================================================
@@ -289,6 +337,13 @@ def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
     return "\n\n".join(out)
 
 
+def define_accept_config_change(record: str) -> None:
+    """The --accept_config_change flag of every command that writes results (rundir.record_config's rule)."""
+    from absl import flags
+    flags.DEFINE_bool("accept_config_change", False, "rerun on results made with another config: go on with the "
+                      f"new values (the change is recorded in {record}); without it such a rerun is refused")
+
+
 def _flag_lines(names: Sequence[str]) -> str:
     from absl import flags
     lines = []
@@ -390,7 +445,7 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
         sys.exit(code if isinstance(code, int) else 0)
 
     from absl import app, flags
-    argv = [sys.argv[0]] + resolve_config_args(sys.argv[1:])
+    argv = [sys.argv[0]] + resolve_config_args(flag_spellings(sys.argv[1:]))
     sys.argv = argv  # config_flags reads the --config.FIELD overrides from sys.argv
     before = set(flags.FLAGS)
     try:
@@ -420,6 +475,9 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
 
     def absl_main(rest):
         setup_logging()
+        note = default_preset_note(argv[1:])
+        if note:
+            logging.getLogger("sweet_jax").warning("%s", note)
         code = guarded(lambda: main(rest[1:]))
         sys.exit(code if isinstance(code, int) else 0)
 

@@ -95,6 +95,19 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices
+    c.metrics = metrics_config()
+    return c
+
+
+def metrics_config() -> ml_collections.ConfigDict:
+    """Experiment tracking (sweet_jax.metrics.MetricsWriter); metrics.jsonl is always written. Not part of what a
+    run is: a rerun may change these freely."""
+    c = ml_collections.ConfigDict()
+    c.writers = "tensorboard"         # comma-separated: tensorboard (WORKDIR/tensorboard), wandb (pip install wandb)
+    c.wandb_project = "sweet_jax"
+    c.wandb_mode = "offline"          # offline (no network; `wandb sync WORKDIR/wandb/offline-run-*` later) | online
+    c.group = ""                      # runs shown together (the pipeline: its workdir, one run per stage)
+    c.name = ""                       # this run's name; '' = the workdir's name
     return c
 
 
@@ -275,6 +288,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
     need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
+    if "metrics" in config:
+        from sweet_jax.metrics import writer_names
+        try:
+            writer_names(config.metrics.writers)
+        except ValueError as e:
+            need(False, "metrics.writers", str(e))
     mb = config.train.micro_batch_size
     need(mb == 0 or config.train.batch_size % mb == 0, "train.micro_batch_size",
          f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
@@ -354,4 +373,32 @@ def paper_8b(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.optim.lr = 2e-7
     c.loss.beta = 0.1
     c.mesh.shape = (1, -1, 1)         # FSDP over every chip (a valid mesh is chosen where 8 pairs do not split)
+    return c
+
+
+# The layouts `python -m sweet_jax.plan` measured to fit the slices people rent (README, "TPU fit of the paper's
+# setting": critic rows 2 and 11 at 8192 tokens, policy rows 4 and 6 at 16384), as presets
+# configs/{critic,policy}.py:llama3_8b_<slice>. A slice not here: `python -m sweet_jax.plan --fit`.
+_SP_MICRO_2 = {"model.scan_layers": True, "optim.moments_dtype": "bfloat16", "optim.offload_state": True,
+               "model.sequence_parallel": True, "train.micro_batch_size": 2}
+SLICE_LAYOUTS = {
+    ("critic", "v5e_16"): {**_SP_MICRO_2, "mesh.shape": (1, 2, 8)},                           # row 11: 10.64 / 16
+    ("critic", "v6e_8"): {"model.scan_layers": True, "optim.moments_dtype": "bfloat16"},       # row 2: 26.48 / 32
+    ("policy", "v5e_16"): {**_SP_MICRO_2, "mesh.shape": (1, 2, 8)},                           # row 6: 11.86 / 16
+    ("policy", "v6e_8"): {**_SP_MICRO_2, "mesh.shape": (1, 2, 4)},                            # row 4: 27.04 / 32
+}
+
+
+def slice_preset(preset: str, role: str) -> tuple[str, dict]:
+    """'llama3_8b_v5e_16' -> ('llama3_8b', the measured layout of that slice); any other preset -> (it, {})."""
+    for (kind, slice_name), layout in SLICE_LAYOUTS.items():
+        if kind == role and preset.endswith("_" + slice_name):
+            return preset[:-len(slice_name) - 1], layout
+    return preset, {}
+
+
+def apply_layout(c: ml_collections.ConfigDict, layout: dict) -> ml_collections.ConfigDict:
+    for field, value in layout.items():
+        section, name = field.split(".")
+        c[section][name] = value
     return c

@@ -1,7 +1,7 @@
 r"""Scores ColBench backend trajectories in the sandbox and writes them back with `reward` set.
 
     python -m sweet_jax.evaluate TRAJECTORIES.jsonl --out SCORED.jsonl [--details] \
-        [--compat strict|sweet_rl] [--workers N] [--timeout-s 2.0]
+        [--compat strict|sweet_rl] [--workers N] [--timeout_s 2.0]
 
 reward = fraction of the task's test cases passed; success = reward 1.0. Every field of the input
 records is kept. A trajectory whose evaluation hit a sandbox failure (status infra_error) is
@@ -19,7 +19,9 @@ from sweet_jax.sandbox import Evaluator
 
 def _load(path, skip_bad):
     """[(record to write back, task, answer)]: a bad row is one line naming file:line and field."""
-    return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad)]
+    no_reply = ("the agent never replied, so the row holds no answer to evaluate; drop it (or pass --skip_bad to "
+                "skip such rows) or add the agent's turns and its final `answer`")
+    return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad, no_reply=no_reply)]
 
 
 def _with_reward(record, reward, details):

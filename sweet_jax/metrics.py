@@ -88,17 +88,94 @@ def peak_flops_total(devices: Iterable[jax.Device] | None = None) -> tuple[float
     return peak * len(devices), f"{kind}: {peak / 1e12:.0f} TFLOP/s bf16 x {len(devices)}"
 
 
+WRITERS = ("tensorboard", "wandb")   # metrics.writers: where the scalars go besides metrics.jsonl (always written)
+
+
+def writer_names(text: str) -> tuple[str, ...]:
+    """'tensorboard,wandb' -> ('tensorboard', 'wandb'); an unknown name is a ValueError naming the choices."""
+    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
+    unknown = [n for n in names if n not in WRITERS]
+    if unknown:
+        raise ValueError(f"unknown metrics writer {unknown[0]!r}: use a comma-separated list of {', '.join(WRITERS)}")
+    return names
+
+
+PEAK_FILE = "mfu_peak.json"
+
+
+def run_peak_flops(logdir, devices) -> tuple[float, str]:
+    """The run's MFU peak: measured (or looked up) at its first start and kept in LOGDIR/mfu_peak.json, so that
+    every resume divides by the same number (a CPU's measured peak varies by tens of percent between starts).
+    A run moved to other devices gets a new peak (and says so). logdir None: look up without recording."""
+    devices = list(devices)
+    kind = f"{devices[0].device_kind} x {len(devices)}"
+    path = pathlib.Path(logdir) / PEAK_FILE if logdir is not None else None
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("devices") == kind:
+            return float(saved["peak_flops"]), saved["how"] + f" (recorded at the run's first start, {PEAK_FILE})"
+        log.warning("the run's MFU peak was recorded on %s, this start runs on %s: MFU from here on uses a new "
+                    "peak", saved.get("devices"), kind)
+    peak, how = peak_flops_total(devices)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"peak_flops": peak, "how": how, "devices": kind}) + "\n")
+    return peak, how
+
+
+class TensorBoardWriter:
+    """Event files in LOGDIR/tensorboard (tensorboardX): `tensorboard --logdir DIR` reads every run below DIR."""
+
+    def __init__(self, logdir: pathlib.Path, **_):
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(logdir / "tensorboard"))
+
+    def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class WandbWriter:
+    """Weights & Biases, offline unless metrics.wandb_mode says otherwise: the run is written under LOGDIR/wandb
+    with no network (upload later with `wandb sync LOGDIR/wandb/offline-run-*`). Its id is derived from the
+    logdir, so a resumed run continues the same W&B run. Any failure of W&B is one warning, then W&B is off for
+    the rest of the run: tracking never stops training."""
+
+    def __init__(self, logdir: pathlib.Path, *, project: str = "sweet_jax", mode: str = "offline", group: str = "",
+                 name: str = "", config: dict | None = None):
+        import hashlib
+
+        import wandb   # ImportError: the caller says so and goes on without W&B
+        run_id = hashlib.sha1(str(logdir.resolve()).encode()).hexdigest()[:16]
+        self._run = wandb.init(project=project or "sweet_jax", mode=mode or "offline", group=group or None,
+                               name=name or logdir.name, id=run_id, resume="allow", dir=str(logdir),
+                               config=config or {}, reinit=True)
+
+    def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
+        self._run.log({f"{split}/{k}": v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsWriter:
-    """Appends one JSON line per record to workdir/metrics.jsonl and mirrors scalars to TensorBoard.
+    """Appends one JSON line per record to workdir/metrics.jsonl and mirrors the finite scalars to the writers
+    named in metrics.writers (TensorBoard by default; W&B when named and installed).
 
     Only process 0 writes (every process calls it). Resuming appends to the same files; records from
-    steps after the resume point are dropped first so the log shows one value per step.
+    steps after the resume point are dropped first so the log shows one value per step. A writer that cannot
+    start or fails later (W&B not installed, no network for online mode) is one warning; the others go on.
     """
 
-    def __init__(self, workdir, *, resume_step: int = 0, enabled: bool | None = None):
+    def __init__(self, workdir, *, resume_step: int = 0, enabled: bool | None = None,
+                 writers: str | tuple = "tensorboard", group: str = "", name: str = "",
+                 wandb_project: str = "sweet_jax", wandb_mode: str = "offline", config: dict | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._tb = None
+        self.writers: dict[str, object] = {}
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +185,18 @@ class MetricsWriter:
             from sweet_jax.rundir import write_atomic
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self._written = {(int(r.get("step", 0)), r.get("split", "train")) for r in kept}
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+        names = writer_names(writers) if isinstance(writers, str) else tuple(writers)
+        kinds = {"tensorboard": TensorBoardWriter, "wandb": WandbWriter}
+        for kind in names:
+            try:
+                self.writers[kind] = kinds[kind](self.path.parent, project=wandb_project, mode=wandb_mode,
+                                                 group=group, name=name, config=config)
+            except ImportError:
+                log.warning("metrics.writers names %s but it is not installed (pip install %s): logging to "
+                            "metrics.jsonl%s only", kind, kind, "".join(f", {k}" for k in names if k != kind))
+            except Exception as e:  # noqa: BLE001 - tracking must never stop a run
+                log.warning("metrics writer %s could not start (%s: %s); the others go on", kind, type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
 
     def write(self, step: int, scalars: dict, *, split: str = "train") -> None:
         if not self.enabled:
@@ -121,13 +208,23 @@ class MetricsWriter:
         record.update({k: _to_float(v) for k, v in scalars.items()})
         from sweet_jax import jsonl
         jsonl.append(self.path, [record])
-        for k, v in record.items():
-            if k not in ("step", "split") and isinstance(v, float) and math.isfinite(v):
-                self._tb.add_scalar(f"{split}/{k}", v, int(step))
+        finite = {k: v for k, v in record.items()
+                  if k not in ("step", "split") and isinstance(v, float) and math.isfinite(v)}
+        for kind, writer in list(self.writers.items()):
+            try:
+                writer.write(int(step), split, finite)
+            except Exception as e:  # noqa: BLE001 - tracking must never stop a run
+                log.warning("metrics writer %s failed at step %d (%s: %s); it is off for the rest of the run",
+                            kind, step, type(e).__name__, e)
+                self.writers.pop(kind)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for kind, writer in self.writers.items():
+            try:
+                writer.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("metrics writer %s did not close cleanly (%s: %s)", kind, type(e).__name__, e)
+        self.writers = {}
 
 
 def _to_float(v):
@@ -141,14 +238,15 @@ def read_metrics(path) -> list[dict]:
     return jsonl.read(path, partial="drop")
 
 
-PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "chosen_logp", "rejected_logp",
-           "grad_norm", "lr", "tokens_per_s", "mfu")
+PLOTTED = ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "dpo_loss", "nll", "chosen_logp",
+           "rejected_logp", "grad_norm", "lr", "tokens_per_s", "mfu")
 # The y axis of each panel: what the number is and its unit.
 Y_LABELS = {
     "loss": "loss (nats per pair)", "pair_accuracy": "fraction of pairs ranked right",
     "margin": "chosen - rejected (nats)", "chosen_score": "score of chosen (nats)",
-    "rejected_score": "score of rejected (nats)", "chosen_logp": "log p(chosen reply) (nats)",
-    "rejected_logp": "log p(rejected reply) (nats)", "grad_norm": "global L2 norm", "lr": "learning rate",
+    "rejected_score": "score of rejected (nats)", "dpo_loss": "DPO term (nats per pair)",
+    "nll": "chosen NLL (nats per token)", "chosen_logp": "log-prob of chosen (nats)",
+    "rejected_logp": "log-prob of rejected (nats)", "grad_norm": "global L2 norm", "lr": "learning rate",
     "tokens_per_s": "tokens / s", "mfu": "fraction of peak FLOP/s",
 }
 FEW_POINTS = 40  # a series with at most this many points is drawn with markers: each value is visible

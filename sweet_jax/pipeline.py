@@ -289,15 +289,23 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
 
 def train_and_export(run: Run, d: pathlib.Path, tconfig) -> dict:
     """train.run into d/train, then the trained parameters as an HF checkpoint in d/hf."""
-    from sweet_jax import trainer
-
-    # A rerun of the pipeline with other values goes on with them (run_pipeline says so); the training run
-    # records the change.
-    summary = trainer.run(tconfig, d / "train", accept_config_change=True)
+    summary = run_training(run, d, tconfig)
     export_trained(d / "train", d / "hf")
     return {"hf": str(d / "hf"), "steps": summary["steps"], "train_examples": summary["train_examples"],
             "eval_examples": summary["eval_examples"], "eval": summary.get("eval", {}),
             "tokens_per_s": summary.get("tokens_per_s")}
+
+
+def run_training(run: Run, d: pathlib.Path, tconfig) -> dict:
+    """trainer.run of one stage into d/train. A rerun of the pipeline with other values goes on with them
+    (run_pipeline's rule); the training run records the change. Tracking: every stage of this pipeline run in
+    one group (W&B), TensorBoard runs under WORKDIR/STAGE/train."""
+    from sweet_jax import trainer
+
+    tconfig.metrics.update(run.config.get("metrics") or {})
+    tconfig.metrics.group = tconfig.metrics.group or run.workdir.name
+    tconfig.metrics.name = f"{run.workdir.name}/{d.relative_to(run.workdir)}"
+    return trainer.run(tconfig, d / "train", accept_config_change=True)
 
 
 def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path, *, step: int | None = None) -> None:
@@ -759,7 +767,6 @@ def stage_policy_grid(run: Run, d: pathlib.Path, method: str, policy_hf: str, gr
                       trajectories: str = "", pairs: str = "") -> dict:
     """One training run of `method` at learning rate lr for grid.total_steps steps, its checkpoints at the grid's
     steps exported to d/step{N}/hf (then the checkpoints, ~3x the model each, are deleted)."""
-    from sweet_jax import trainer
     from sweet_jax.rundir import CHECKPOINT_DIR
 
     tconfig = policy_train_config(run, method, policy_hf, trajectories=trajectories, pairs=pairs)
@@ -768,7 +775,7 @@ def stage_policy_grid(run: Run, d: pathlib.Path, method: str, policy_hf: str, gr
     tconfig.train.num_steps = grid.total_steps
     tconfig.train.ckpt_every = int(np.gcd.reduce(steps))
     tconfig.train.keep_ckpts = 1000
-    summary = trainer.run(tconfig, d / "train", accept_config_change=True)
+    summary = run_training(run, d, tconfig)
     for step in steps:
         export_trained(d / "train", d / f"step{step}" / "hf", step=step)
     shutil.rmtree(d / "train" / CHECKPOINT_DIR, ignore_errors=True)
@@ -920,14 +927,15 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 # The run
 # ==========================================================================================================
 
-def run_pipeline(config: ml_collections.ConfigDict, workdir) -> dict:
-    """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report')."""
+def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
+    """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
+    accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
     from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
     check_ranges(config, PIPELINE_RANGES, PipelineError)
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_same_config(config, workdir)
+    _check_same_config(config, workdir, accept_change=accept_config_change)
     run = Run(config, workdir)
     s: dict[str, Any] = {}
     try:
@@ -1130,19 +1138,18 @@ def write_json(path: pathlib.Path, value) -> None:
     os.replace(tmp, path)
 
 
-def _check_same_config(config, workdir: pathlib.Path) -> None:
-    """A workdir belongs to one config: resuming with other values would mix runs, so say so."""
-    path = workdir / "pipeline_config.json"
-    text = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-    if path.exists() and path.read_text() != text:
-        old = json.loads(path.read_text())
-        new = json.loads(text)
-        diff = sorted(_diff(old, new))
-        log.warning("the config differs from the one this workdir was started with (%s); finished stages keep "
-                    "their results, only the remaining ones use the new values", ", ".join(diff[:8]))
-        (workdir / f"pipeline_config.{int(time.time())}.json").write_text(text)
-        return
-    path.write_text(text)
+def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = False) -> None:
+    """A workdir belongs to one config (rundir.record_config's rule, as for train, rank and rollout): a rerun
+    with other values is refused while a stage has finished, since finished stages would keep the old values'
+    results, unless accept_change, which records the change in pipeline_config_changes.jsonl."""
+    from sweet_jax import rundir
+    produced = any(workdir.rglob(DONE))
+    changes = rundir.record_config(config, workdir / "pipeline_config.json", produced=produced,
+                                   accept_change=accept_change, where=str(workdir), ignore=rundir.TRACKING_FIELDS)
+    if changes and produced:
+        log.warning("config changed on this rerun (recorded in pipeline_config_changes.jsonl); finished stages keep "
+                    "their results, only the remaining ones use the new values: %s",
+                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
 
 
 def _diff(a, b, prefix="") -> list[str]:
@@ -1159,7 +1166,7 @@ def main(argv):
     del argv
     FLAGS = flags.FLAGS
     logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
-    summaries = run_pipeline(FLAGS.config, FLAGS.workdir)
+    summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)
     print(f"stages run: {', '.join(summaries['_ran']) or 'none'}; skipped (already done): "
           f"{', '.join(summaries['_skipped']) or 'none'}", flush=True)
@@ -1173,6 +1180,7 @@ def define_flags():
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
                                     "pipeline config (file:preset)", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
+    cli.define_accept_config_change("WORKDIR/pipeline_config_changes.jsonl")
     flags.mark_flags_as_required(["workdir"])
 
 

@@ -2,6 +2,7 @@ r"""Will this training step fit on that TPU slice? Compile it ahead of time and 
 
     python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16
     python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology local   # this host's GPU(s)
+    python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16 --fit --estimate
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.data.max_len=16384 --topology v5p-8
     python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.model.preset=llama3_70b \
         --config.data.max_len=16384 --topology v5p-64 --config.mesh.shape='(1,8,4)' \
@@ -16,6 +17,8 @@ No TPU needed: `jax.experimental.topologies` describes the slice and libtpu comp
 compares with the memory XLA may use on each (its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of the card).
 The story: config -> model shapes -> topology -> mesh -> sharded abstract state and batch -> lower ->
 compile -> memory / FLOPs report. Exit status 1 when the step does not fit the chip's HBM, 2 on bad input.
+--fit compiles the layouts of `fit_layouts` cheapest first (FIT_COSTS) and prints the first that fits, with the
+train and plan commands that use it (exit 1 when none of the first --fit_max_tries does).
 """
 from __future__ import annotations
 
@@ -372,6 +375,138 @@ def report(plan: Plan) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------
+# --fit: the cheapest layout that fits
+
+# What each memory option costs in step time, roughly (a relative slow-down; for ordering the search, not a
+# prediction): stacking layers under scan costs nothing at run time, rounding Adam's moments to bf16 little,
+# recomputing every layer's forward (remat) about a third more FLOPs, each halving of the micro-batch some matmul
+# efficiency, each doubling of the 'tensor' axis (sequence parallelism) its collectives, and offloading the
+# optimiser state a host round trip of it every step.
+FIT_COSTS = {"scan": 0.01, "moments": 0.02, "remat": 0.30, "micro": 0.05, "tensor": 0.10, "offload": 0.15}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: config overrides and what they cost (FIT_COSTS)."""
+    overrides: tuple      # ((field, value), ...), in a stable order
+    cost: float
+
+    @property
+    def flags(self) -> list[str]:
+        return [f"--config.{field}={_flag_value(value)}" for field, value in self.overrides]
+
+    def describe(self) -> str:
+        return ", ".join(f"{field}={_flag_value(value)}" for field, value in self.overrides) or "as configured"
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, tuple):
+        return "'(" + ",".join(str(v) for v in value) + ")'"
+    return str(value)
+
+
+def fit_layouts(config, topology: Topology) -> list[Layout]:
+    """Every combination of the memory options the config does not already use, cheapest first (FIT_COSTS; ties:
+    fewer changes first): scan_layers, bf16 moments, remat of every layer, micro-batches (halvings of the batch),
+    sequence parallelism over a 'tensor' axis of 2, 4, 8 (with the batch over the rest of the chips), and the
+    optimiser state in host memory (not on a CPU: the same RAM)."""
+    import itertools
+
+    n = topology.num_chips
+    mcfg = llama_config(config, for_tpu=topology.chip != LOCAL)
+    B = int(config.train.batch_size)
+    groups = []
+    if not config.model.scan_layers:
+        groups.append([(), ((("model.scan_layers", True),), FIT_COSTS["scan"])])
+    if config.optim.get("moments_dtype", "float32") != "bfloat16":
+        groups.append([(), ((("optim.moments_dtype", "bfloat16"),), FIT_COSTS["moments"])])
+    if config.model.remat != "full":
+        groups.append([(), ((("model.remat", "full"),), FIT_COSTS["remat"])])
+    micro, halvings = [()], 0
+    m = int(config.train.micro_batch_size) or B
+    while m % 2 == 0 and m > 1:
+        m, halvings = m // 2, halvings + 1
+        micro.append(((("train.micro_batch_size", m),), FIT_COSTS["micro"] * halvings))
+    groups.append(micro)
+    tensor = [()]
+    for t in (2, 4, 8):
+        if n % t == 0 and n > t and mcfg.num_kv_heads % t == 0 and not config.model.get("sequence_parallel", False):
+            tensor.append(((("mesh.shape", (1, n // t, t)), ("model.sequence_parallel", True)),
+                           FIT_COSTS["tensor"] * math.log2(t)))
+    groups.append(tensor)
+    if not config.optim.get("offload_state", False) and not (topology.chip == LOCAL and "cpu" in
+                                                             topology.device_kind.lower()):
+        groups.append([(), ((("optim.offload_state", True),), FIT_COSTS["offload"])])
+    layouts = []
+    for combo in itertools.product(*groups):
+        chosen = [c for c in combo if c]
+        layouts.append(Layout(tuple(kv for overrides, _ in chosen for kv in overrides),
+                              round(sum(cost for _, cost in chosen), 6)))
+    return sorted(layouts, key=lambda layout: (layout.cost, len(layout.overrides), layout.describe()))
+
+
+def with_overrides(config, overrides):
+    """A copy of the (locked) config with `overrides` ((dotted field, value), ...) set."""
+    import ml_collections
+    out = ml_collections.ConfigDict(config.to_dict())
+    for field, value in overrides:
+        *sections, name = field.split(".")
+        node = out
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    return out
+
+
+def fit(config, topology: Topology, *, estimate: bool = False, max_tries: int = 24, budget_bytes: int | None = None,
+        verbose: bool = True, log=print) -> tuple[Layout | None, Plan | None, list[tuple[Layout, Plan]]]:
+    """Compile the layouts of fit_layouts in order until one fits (budget_bytes per chip, default the chip's
+    HBM): (that layout, its plan, every (layout, plan) tried). (None, None, tried) when none of the first
+    max_tries fits."""
+    budget = budget_bytes or topology.hbm_bytes
+    tried = []
+    for layout in fit_layouts(config, topology)[:max_tries]:
+        candidate = with_overrides(config, layout.overrides)
+        result = (extrapolated_plan(candidate, topology, verbose=verbose) if estimate
+                  else make_plan(candidate, topology, verbose=verbose))
+        fits = not result.compile_error and result.total_bytes <= budget
+        tried.append((layout, result))
+        log(f"try {len(tried)} (cost +{100 * layout.cost:.0f}%): {layout.describe()}: "
+            f"{_size(result.total_bytes)} of {_size(budget)} per chip: {'fits' if fits else 'no'}")
+        if fits:
+            return layout, result, tried
+    return None, None, tried
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def user_config_args(argv) -> list[str]:
+    """The --config FILE:PRESET and --config.FIELD=VALUE arguments of a command line (both spellings joined)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+            i += 1
+        elif arg.startswith("--config=") or arg.startswith("--config."):
+            out.append(arg)
+        i += 1
+    return out
+
+
+def fit_commands(argv, layout: Layout, topology_text: str) -> tuple[str, str]:
+    """(the train command, the plan command that checks it) with the user's config arguments and the layout's
+    overrides (which replace the user's own values of those fields)."""
+    fields = {f"--config.{field}" for field, _ in layout.overrides}
+    args = [a for a in user_config_args(argv) if a.split("=", 1)[0] not in fields] + layout.flags
+    shown = " ".join(args)
+    return (f"python -m sweet_jax.train {shown} --workdir WORKDIR",
+            f"python -m sweet_jax.plan {shown} --topology {topology_text}")
+
+
+# ------------------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -384,9 +519,29 @@ def main(argv):
     # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
     jax.config.update("jax_enable_compilation_cache", False)
     topology = parse_topology(FLAGS.topology)
+    if FLAGS.fit:
+        return main_fit(FLAGS, topology)
     plan = extrapolated_plan(FLAGS.config, topology) if FLAGS.estimate else make_plan(FLAGS.config, topology)
     print(report(plan))
     return 0 if plan.fits else 1
+
+
+def main_fit(FLAGS, topology: Topology) -> int:
+    """--fit: the cheapest layout that fits, its report and the exact commands; exit 1 when none does."""
+    argv = sys.argv[1:]
+    budget = int(FLAGS.hbm_gib * GiB) if FLAGS.hbm_gib else None
+    layout, result, tried = fit(FLAGS.config, topology, estimate=FLAGS.estimate, max_tries=FLAGS.fit_max_tries,
+                                budget_bytes=budget, log=lambda line: print(line, flush=True))
+    if layout is None:
+        print(f"no layout of the first {len(tried)} fits {topology.slice_name}"
+              f"{'' if budget is None else f' within {FLAGS.hbm_gib} GiB a chip'}; the closest: "
+              f"{min(tried, key=lambda t: t[1].total_bytes)[0].describe()}. Try a larger slice, a shorter "
+              "--config.data.max_len, LoRA (--config.lora.rank=16), or --fit_max_tries")
+        return 1
+    print(report(result))
+    train, check = fit_commands(argv, layout, FLAGS.topology)
+    print(f"\nthe cheapest layout that fits: {layout.describe()}\n  train: {train}\n  check: {check}")
+    return 0
 
 
 def define_flags():
@@ -398,6 +553,12 @@ def define_flags():
                         "'local': the devices attached to this host (e.g. a GPU)")
     flags.DEFINE_bool("estimate", False, "compile 2- and 4-layer versions and extrapolate linearly to the real "
                       "depth (fast; the default compiles the full model)")
+    flags.DEFINE_bool("fit", False, "search the memory options (scan_layers, bf16 moments, remat, micro-batches, "
+                      "sequence parallelism over a tensor axis, offloaded optimiser state) cheapest first and print "
+                      "the cheapest layout that fits, with the exact command")
+    flags.DEFINE_integer("fit_max_tries", 24, "--fit: compile at most this many layouts")
+    flags.DEFINE_float("hbm_gib", 0.0, "--fit: the memory a chip may use, in GiB (default: the chip's HBM; less "
+                       "leaves headroom)")
     flags.mark_flags_as_required(["config", "topology"])
 
 

@@ -15,13 +15,35 @@ from sweet_jax.ranking import ReplyScorer, rank_turns, sample_candidates, turn_p
 
 log = logging.getLogger("sweet_jax.rank")
 
+# Fields that change how fast the pairs come, not which pairs: a rerun may change them freely.
+OPERATIONAL_FIELDS = ("progress", "output", "score_batch_size", "prompts_per_batch", "max_batch_size", "mesh",
+                      "skip_bad")
 
-def run(config) -> dict:
+
+def record_config(config, *, accept_config_change: bool = False) -> list:
+    """OUTPUT.config.json: the config that produced the pairs in OUTPUT (rundir.record_config's rule: a rerun
+    with another config is refused while OUTPUT holds pairs, unless accept_config_change records the change)."""
+    import pathlib
+
+    from sweet_jax import jsonl, rundir
+    out = pathlib.Path(config.output)
+    produced = out.exists() and bool(jsonl.read(out, partial="drop"))
+    changes = rundir.record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
+                                   accept_change=accept_config_change, ignore=OPERATIONAL_FIELDS, where=str(out))
+    if changes and produced:
+        log.warning("config changed on this rerun; the pairs already in %s were made with the old values, only "
+                    "the turns not ranked yet use the new ones: %s", out,
+                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
+    return changes
+
+
+def run(config, *, accept_config_change: bool = False) -> dict:
     from sweet_jax import policy_backend, rundir
     from sweet_jax.config_utils import RANK_RANGES, check_ranges
     from sweet_jax.data import demo, schema
 
     check_ranges(config, RANK_RANGES)
+    record_config(config, accept_config_change=accept_config_change)
     mesh = rundir.make_mesh(config.mesh.shape)
     trajectories = schema.load_trajectories(config.trajectories or str(demo.paths().trajectories),
                                           skip_bad=config.skip_bad)
@@ -89,7 +111,7 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    result = run(config)
+    result = run(config, accept_config_change=flags.FLAGS.accept_config_change)
     print(f"{config.output}: {json.dumps(result)}", flush=True)
 
 
@@ -99,6 +121,7 @@ def define_flags():
     from sweet_jax import cli
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/rank.py:demo"), "rank config (file:preset)",
                                     lock_config=True)
+    cli.define_accept_config_change("OUTPUT.config_changes.jsonl")
 
 
 if __name__ == "__main__":

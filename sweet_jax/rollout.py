@@ -15,15 +15,23 @@ episodes loop, its output file and resume are sweet_jax.collect's).
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 from sweet_jax import collect, policy_backend, rundir
 from sweet_jax.collect import RolloutError, failures_path, summarize, summary_path
 from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 
+log = logging.getLogger("sweet_jax.rollout")
 
-def run(config) -> dict:
+
+# Fields that change how fast the episodes come, not what they are: a rerun may change them freely.
+OPERATIONAL_FIELDS = ("progress", "output", "batch_size", "max_batch_size", "mesh", "sandbox.workers")
+
+
+def run(config, *, accept_config_change: bool = False) -> dict:
     check_ranges(config, ROLLOUT_RANGES, RolloutError)
+    record_config(config, accept_config_change=accept_config_change)
     frontend = config.get("track", "backend") == "frontend"
     tasks = collect.load_task_list(config.tasks, config.num_tasks, frontend=frontend)
     if config.get("layout", "by_task") not in ("by_task", "official"):
@@ -51,8 +59,8 @@ def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
 
         track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
         try:
-            summary = collect.rollout(tasks, policy, track.simulator, write_config(config), best_of=config.best_of,
-                                      batch_size=config.batch_size, max_turns=config.max_turns,
+            summary = collect.rollout(tasks, policy, track.simulator, pathlib.Path(config.output),
+                                      best_of=config.best_of, batch_size=config.batch_size, max_turns=config.max_turns,
                                       evaluator=track.scorer, progress=config.progress, make_env=FrontendEnv)
         finally:
             track.close()
@@ -61,7 +69,7 @@ def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
         config.simulator, seed=config.seed, policy_sampler=sampler,
         load_sampler=lambda: rundir.load_sampler(config.simulator.path, config.simulator.tokenizer,
                                                  dtype=config.policy.dtype, seed=config.seed, mesh=mesh))
-    out = write_config(config)
+    out = pathlib.Path(config.output)
     evaluator = None
     try:
         if config.sandbox.enabled:
@@ -84,27 +92,35 @@ def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
     return summary
 
 
-def write_config(config) -> pathlib.Path:
-    """The output path, with the resolved config written beside it."""
+def record_config(config, *, accept_config_change: bool = False) -> list:
+    """OUTPUT.config.json: the config that produced the episodes in OUTPUT (rundir.record_config's rule: a rerun
+    with another config is refused while OUTPUT holds episodes, unless accept_config_change records the change
+    in OUTPUT.config_changes.jsonl). Checked before any model loads: a refused run costs nothing."""
     out = pathlib.Path(config.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (out.with_name(out.name + ".config.json")).write_text(config.to_json_best_effort(indent=2) + "\n")
-    return out
+    produced = out.exists() and bool(collect.read_records(out))
+    changes = rundir.record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
+                                   accept_change=accept_config_change, ignore=OPERATIONAL_FIELDS, where=str(out))
+    if changes and produced:
+        log.warning("config changed on this rerun; the episodes already in %s were played with the old values, "
+                    "only the ones not played yet use the new ones: %s", out,
+                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
+    return changes
 
 
 def format_summary(summary: dict, out) -> str:
     pct = lambda x: "n/a" if x is None else f"{x:.1f}%"
     rate = summary["success_rate"]
     turns = summary["turns_per_episode"]
+    failed = summary["failed_episodes"]
+    failures = failures_path(pathlib.Path(out))
+    # Name the failures file only where it exists: no failure in any run writes none.
+    where = f", see {failures.name}" if failures.exists() else ""
+    head = f"{out}: {summary['episodes']} episodes ({failed} failed this run{where})\n"
     if summary.get("track") == "frontend":
         cosine = summary.get("mean_reward")
-        return (f"{out}: {summary['episodes']} episodes ({summary['failed_episodes']} failed this run, see "
-                f"{failures_path(pathlib.Path(out)).name})\n"
-                f"  mean CLIP cosine  {'n/a' if cosine is None else f'{cosine:.4f}'}\n"
+        return (head + f"  mean CLIP cosine  {'n/a' if cosine is None else f'{cosine:.4f}'}\n"
                 f"  turns per episode {'n/a' if turns is None else f'{turns:.2f}'}")
-    return (f"{out}: {summary['episodes']} episodes ({summary['failed_episodes']} failed this run, see "
-            f"{failures_path(pathlib.Path(out)).name})\n"
-            f"  success rate      {pct(None if rate is None else 100 * rate)}\n"
+    return (head + f"  success rate      {pct(None if rate is None else 100 * rate)}\n"
             f"  tests passed      {pct(summary['tests_passed_pct'])}\n"
             f"  turns per episode {'n/a' if turns is None else f'{turns:.2f}'}")
 
@@ -114,7 +130,8 @@ def main(argv):
     from absl import flags
 
     config = flags.FLAGS.config
-    summary = dict(run(config), track=config.get("track", "backend"))
+    summary = dict(run(config, accept_config_change=flags.FLAGS.accept_config_change),
+                   track=config.get("track", "backend"))
     print(format_summary(summary, config.output), flush=True)
 
 
@@ -124,6 +141,7 @@ def define_flags():
     from sweet_jax import cli
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/rollout.py:demo"),
                                     "rollout config (file:preset)", lock_config=True)
+    cli.define_accept_config_change("OUTPUT.config_changes.jsonl")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ CONFIG_CHANGES = "config_changes.jsonl"
 INVOCATIONS = "invocations.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = "summary.json"
+TRACKING_FIELDS = ("metrics",)   # where the metrics go, not what the run is: a rerun may change them
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "transformers", "tokenizers", "numpy",
             "ml_collections", "sweet-jax")
 
@@ -175,31 +176,68 @@ def _new_field_at_its_default(field: str, old: Any, new: Any) -> bool:
     return default == new
 
 
-def write_config(config, workdir, *, accept_change: bool = False, write: bool = True) -> list[tuple[str, Any, Any]]:
-    """Write the run's config. A rerun whose config differs from the saved one is refused, naming the fields,
-    unless accept_change: then the change is appended to config_changes.jsonl with the time, and the new config
-    becomes the run's. Returns the changes (empty for a new run or the same config). write=False: check only
-    (the processes of a multi-host run other than the first)."""
-    workdir = _path(workdir)
-    path = workdir / CONFIG_FILE
+def record_config(config, record, *, produced: bool, accept_change: bool = False, write: bool = True,
+                  ignore: tuple[str, ...] = (), text_record=None, where: str = "") -> list[tuple[str, Any, Any]]:
+    """The one rule of every command that writes results (train, rank, rollout, pipeline): `record` (a JSON file)
+    says which config produced the data beside it.
+
+    - No record yet: it is written.
+    - The same config (fields in `ignore`, which do not change the data, aside): nothing to do, a plain resume.
+    - Another config while the old one's results exist (`produced`): refused, naming the fields, unless
+      accept_change; then the change is appended, timed, to RECORD's `_changes.jsonl` sibling and the new config
+      becomes the record. A refused run writes nothing.
+    - Another config but nothing produced yet (a start that failed before its first result, e.g. a wrong path):
+      the fixed rerun is accepted; the replacement is appended to the changes file all the same.
+    Returns the changes. write=False: check only (the processes of a multi-host run other than the first)."""
+    record = _path(record)
     text = config_json(config)
     changes = []
-    if path.exists():
-        changes = [change for change in config_changes(json.loads(path.read_text()), json.loads(text))
-                   if not _new_field_at_its_default(*change)]
-        if changes and not accept_change:
+    if record.exists():
+        changes = [change for change in config_changes(json.loads(record.read_text()), json.loads(text))
+                   if not _new_field_at_its_default(*change)
+                   and not any(change[0] == f or change[0].startswith(f + ".") for f in ignore)]
+        if changes and produced and not accept_change:
             shown = "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes[:8])
             more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
-            raise RunDirError(f"{workdir} holds a run with another config ({shown}{more}): rerun with the same "
-                              "flags to resume it, pick another --workdir, or pass --accept_config_change to go on "
-                              "with the new values (recorded in config_changes.jsonl)")
+            raise RunDirError(f"{where or record.parent} holds results of another config ({shown}{more}): rerun "
+                              "with the same flags to resume, write elsewhere, or pass --accept_config_change to "
+                              f"go on with the new values (recorded in {changes_path(record).name})")
         if changes and write:
-            append_record(workdir / CONFIG_CHANGES, {"time": _now(), "changes": [
-                {"field": field, "old": old, "new": new} for field, old, new in changes]})
-    if write and (changes or not path.exists()):
-        write_atomic(path, text)
-        write_atomic(workdir / CONFIG_TEXT, str(config))
+            append_record(changes_path(record), {"time": _now(), "changes": [
+                {"field": field, "old": old, "new": new} for field, old, new in changes],
+                "why": "accepted (--accept_config_change)" if produced else
+                "the earlier start produced nothing: its config is replaced"})
+    if write and (changes or not record.exists()):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, text)
+        if text_record is not None:
+            write_atomic(text_record, str(config))
     return changes
+
+
+def changes_path(record):
+    """Where the accepted changes of a config record go: config.json -> config_changes.jsonl,
+    pairs.jsonl.config.json -> pairs.jsonl.config_changes.jsonl."""
+    record = _path(record)
+    stem = record.name[:-len(".json")] if record.name.endswith(".json") else record.name
+    before, found, after = stem.rpartition("config")
+    return record.with_name(f"{before}config_changes{after}.jsonl" if found else f"{stem}.config_changes.jsonl")
+
+
+def has_checkpoints(workdir) -> bool:
+    """Whether the training run in `workdir` has saved a step: its config has produced something to resume."""
+    directory = _path(workdir) / CHECKPOINT_DIR
+    return directory.exists() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def write_config(config, workdir, *, accept_change: bool = False, write: bool = True) -> list[tuple[str, Any, Any]]:
+    """The training run's config record (record_config): config.json (+ a readable config.txt) in the workdir.
+    A changed config is refused once the run has saved a checkpoint; before that (a start that failed before
+    step 0) the fixed rerun replaces it."""
+    workdir = _path(workdir)
+    return record_config(config, workdir / CONFIG_FILE, produced=has_checkpoints(workdir),
+                         accept_change=accept_change, write=write, text_record=workdir / CONFIG_TEXT,
+                         where=str(workdir), ignore=TRACKING_FIELDS)
 
 
 def finished_summary(config, workdir) -> dict | None:
@@ -208,7 +246,8 @@ def finished_summary(config, workdir) -> dict | None:
     summary, saved = workdir / SUMMARY_FILE, workdir / CONFIG_FILE
     if not (summary.exists() and saved.exists()):
         return None
-    if config_changes(json.loads(saved.read_text()), json.loads(config_json(config))):
+    if [change for change in config_changes(json.loads(saved.read_text()), json.loads(config_json(config)))
+            if not _new_field_at_its_default(*change) and change[0].split(".")[0] not in TRACKING_FIELDS]:
         return None
     return json.loads(summary.read_text())
 

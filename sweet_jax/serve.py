@@ -7,8 +7,16 @@
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool;
-completions: int); top_k, stop_token_ids as extensions. Streaming, echo and top-N alternatives (top_logprobs) are
-not served: a request asking for them gets a 400 with the reason.
+completions: int); top_k, stop_token_ids as extensions; stream (server-sent events: the role, then one delta per
+token, then each choice's finish_reason, then with stream_options.include_usage a last chunk holding the usage, then
+`data: [DONE]`). A reply is generated whole in its compiled batch, then streamed: the first delta comes when the
+reply is complete. Echo and top-N alternatives (top_logprobs) are not served: a request asking for them gets a 400
+with the reason.
+
+Compilation: each new shape (prompt-length bucket x new-token bucket x rows) compiles once, on the first request
+that needs it (seconds on a CPU, longer for an 8B model); `--warmup` compiles the single-row shapes of every
+prompt bucket up to --warmup_max_prompt before the server answers, and JAX's persistent compilation cache
+(sweet_jax.cli) makes a restart's compiles loads.
 
 Token ids in and out, as vLLM serves them (what sweet_jax.policy_backend's `openai` backend sends): a completions
 `prompt` may be token ids (a list of ints, or a list of such lists); `return_tokens_as_token_ids: true` writes each
@@ -192,7 +200,7 @@ def _short(value) -> str:
 # Fields each endpoint reads; anything else is refused (as OpenAI refuses an unrecognized argument), so a
 # misspelt or unsupported option is an error, not silently ignored.
 _COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "max_tokens", "stop", "seed", "stream",
-                  "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+                  "stream_options", "logprobs", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "stop_token_ids", "return_tokens_as_token_ids",
                                       "return_token_ids"}
@@ -209,13 +217,50 @@ def _check_fields(body: dict, allowed: set) -> None:
         _field(body, name, float, 0.0, check=lambda v: v == 0, why="is not supported (only 0)")
     if body.get("logit_bias"):
         raise BadRequest("'logit_bias' is not supported", "logit_bias")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise BadRequest("'stream_options' is only allowed with stream=true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+                options.get("include_usage", False), bool):
+            raise BadRequest(f"'stream_options' must be {{'include_usage': bool}}, got {_short(options)}",
+                             "stream_options")
+
+
+def _include_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def text_deltas(text: str, pieces: list[str]) -> list[tuple[str, int]]:
+    """A reply's text cut into stream deltas, one per token: (delta, index of its token). Token texts that do not
+    add up to the reply (a stop string cut it, a token that decodes only with its neighbours) end the per-token
+    cut; what remains of the text is the last delta (index -1). The deltas always join to `text`."""
+    out, done = [], ""
+    for i, piece in enumerate(pieces):
+        if not piece or not text.startswith(done + piece):
+            break
+        done += piece
+        out.append((piece, i))
+    if done != text:
+        out.append((text[len(done):], -1))
+    return out
+
+
+class Stream:
+    """A response sent as server-sent events: each chunk a `data: {json}` event, then `data: [DONE]`."""
+
+    def __init__(self, chunks: list[dict]):
+        self.chunks = chunks
+
+    def events(self):
+        for chunk in self.chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
 
 def sampling_params(body: dict, *, default_max_tokens: int, vocab_size: int | None = None,
                     max_positions: int | None = None) -> SamplingParams:
     """SamplingParams from an OpenAI request body (both endpoints); every field checked, errors name it."""
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported by this server; send stream=false", "stream")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = max_positions or 2**31 - 1
     max_tokens = _field(body, name, int, default_max_tokens, check=lambda v: 1 <= v <= limit,
@@ -348,8 +393,36 @@ class OpenAIApp:
                     {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
                     for tok, lp in zip(self.sampler.token_texts(s.token_ids), s.logprobs)]}
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage(len(prompt_ids), samples)}
+        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices, "usage": _usage(len(prompt_ids), samples)}
+        return self._chat_stream(response, samples, want_logprobs, _include_usage(body)) if body.get("stream") \
+            else response
+
+    def _chat_stream(self, response: dict, samples: list[Sample], want_logprobs: bool, usage: bool) -> Stream:
+        """The chat response as chat.completion.chunk events: per choice its role, its token deltas (with their
+        log-probs when asked), its finish_reason; then the usage (include_usage)."""
+        head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+                "model": self.model_name}
+        if usage:
+            head["usage"] = None
+
+        def chunk(index, delta, finish_reason=None, logprobs=None):
+            return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                                         "logprobs": logprobs}]}
+        chunks = []
+        for i, s in enumerate(samples):
+            pieces = self.sampler.token_texts(s.token_ids)
+            chunks.append(chunk(i, {"role": "assistant", "content": ""}))
+            for delta, t in text_deltas(s.text, pieces):
+                logprobs = None
+                if want_logprobs and t >= 0:
+                    logprobs = {"content": [{"token": pieces[t], "logprob": s.logprobs[t],
+                                             "bytes": list(pieces[t].encode("utf-8")), "top_logprobs": []}]}
+                chunks.append(chunk(i, {"content": delta}, logprobs=logprobs))
+            chunks.append(chunk(i, {}, s.finish_reason))
+        if usage:
+            chunks.append({**head, "choices": [], "usage": response["usage"]})
+        return Stream(chunks)
 
     def completions(self, body: dict) -> dict:
         _check_fields(body, _COMPLETION_FIELDS)
@@ -391,9 +464,61 @@ class OpenAIApp:
                     choice.update(prompt_token_ids=list(ids), token_ids=[int(i) for i in s.token_ids])
                 choices.append(choice)
                 all_samples.append(s)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": _usage(sum(len(p) for p in prompt_ids), all_samples)}
+        response = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices,
+                    "usage": _usage(sum(len(p) for p in prompt_ids), all_samples)}
+        if not body.get("stream"):
+            return response
+        return self._completion_stream(response, all_samples, logprobs is not None, as_ids, _include_usage(body))
+
+    def _completion_stream(self, response: dict, samples: list[Sample], logprobs: bool, as_ids: bool,
+                           usage: bool) -> Stream:
+        """The completions response as text_completion events: per choice its token deltas (with their log-probs
+        when asked), its finish_reason; then the usage (include_usage)."""
+        head = {"id": response["id"], "object": "text_completion", "created": response["created"],
+                "model": self.model_name}
+        if usage:
+            head["usage"] = None
+        chunks = []
+        for i, s in enumerate(samples):
+            pieces = self.sampler.token_texts(s.token_ids)
+            offset = 0
+            for delta, t in text_deltas(s.text, pieces):
+                lp = None
+                if logprobs and t >= 0:
+                    lp = {"tokens": [f"token_id:{s.token_ids[t]}" if as_ids else pieces[t]],
+                          "token_logprobs": [s.logprobs[t]], "top_logprobs": None, "text_offset": [offset]}
+                offset += len(delta)
+                chunks.append({**head, "choices": [{"index": i, "text": delta, "finish_reason": None,
+                                                    "logprobs": lp}]})
+            chunks.append({**head, "choices": [{"index": i, "text": "", "finish_reason": s.finish_reason,
+                                                "logprobs": None}]})
+        if usage:
+            chunks.append({**head, "choices": [], "usage": response["usage"]})
+        return Stream(chunks)
+
+    def warmup(self, *, max_prompt: int = 1024, max_tokens: int | None = None) -> int:
+        """Compile the one-row programs of every prompt-length bucket up to max_prompt (with max_tokens new
+        tokens, default the server's), so that the first requests of those shapes do not wait for a compile.
+        Returns the number of shapes run. More rows (concurrent requests, n > 1) are other shapes."""
+        from sweet_jax.generate import bucket_length
+
+        lengths, n = [], 1
+        while bucket_length(n) <= max_prompt:
+            lengths.append(bucket_length(n))
+            n = bucket_length(n) + 1
+        params = SamplingParams(max_new_tokens=max_tokens or self.default_max_tokens, temperature=0.0, n=1)
+        pad = self.sampler.encode("a", add_special_tokens=False)[:1] or [0]
+        done = 0
+        for length in lengths:
+            request = Request(pad * length, params)
+            try:
+                self.sampler.check_request(request)
+            except GenerateError:   # longer than the model's positions allow: no request can have this shape
+                break
+            self.sampler.generate_requests([request])
+            done += 1
+        return done
 
 
 
@@ -431,6 +556,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+
+    def _send_stream(self, stream: Stream) -> None:
+        """Server-sent events in HTTP/1.1 chunked transfer encoding: the connection stays reusable."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in stream.events():
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
 
     def _error(self, status: int, message: str, param: str | None = None, kind: str | None = None,
                code: str | None = None, headers: dict | None = None):
@@ -510,7 +647,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             handler = self._route(method)
             if method == "POST":
                 body = self._read_body()
-                self._send(200, handler(body))
+                answer = handler(body)
+                if isinstance(answer, Stream):
+                    self._send_stream(answer)
+                else:
+                    self._send(200, answer)
             else:
                 self._send(200, handler())
         except BadRequest as e:
@@ -638,6 +779,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mesh", default=None, help="data,fsdp,tensor mesh shape, e.g. 1,-1,1 (default: no mesh)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="most sample rows decoded together")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="how long to collect a batch")
+    parser.add_argument("--warmup", action="store_true",
+                        help="compile every prompt bucket's one-row program before serving (no first-request compile)")
+    parser.add_argument("--warmup-max-prompt", type=int, default=1024, help="longest prompt bucket --warmup compiles")
     args = parser.parse_args(argv)
 
     try:
@@ -649,6 +793,10 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = OpenAIApp(sampler, model_name=name, max_batch_size=args.max_batch_size,
                     batch_window_s=args.batch_window_ms / 1000)
+    if args.warmup:
+        t0 = time.perf_counter()
+        shapes = app.warmup(max_prompt=args.warmup_max_prompt)
+        log.info("warm-up: %d prompt buckets compiled in %.0f s", shapes, time.perf_counter() - t0)
     server = OpenAIServer(app, args.host, args.port)
     # One parseable line: scripts (and tests) started with --port 0 read the address from it.
     print(f"sweet_jax.serve: serving {name} on {server.url}", flush=True)

@@ -26,8 +26,7 @@ def define_flags():
     config_flags.DEFINE_config_file("config", None, "a config file with preset: configs/critic.py:demo",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, config; resumes if it holds a run")
-    flags.DEFINE_bool("accept_config_change", False, "rerun a workdir with a config that differs from its saved one "
-                      "(the change is recorded in WORKDIR/config_changes.jsonl)")
+    cli.define_accept_config_change("WORKDIR/config_changes.jsonl")
     flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -55,6 +55,23 @@ def nan_message(ckpt, step: int, m: dict, workdir) -> str:
             "lower --config.optim.lr or check the data, then rerun with the same --workdir to resume from it")
 
 
+def schedule_change(optim, saved_total: int | None, total: int, step: int) -> str | None:
+    """What resuming at `step` does to the learning rate when the run's length changed from saved_total (the
+    checkpoint's) to total: the warm-up + cosine schedule is laid over the new length, so the lr jumps (a
+    finished run extended restarts the decay). None when the length is the same."""
+    from sweet_jax import steps
+    if not saved_total or saved_total == total:
+        return None
+    was = float(steps.make_schedule(optim.lr, saved_total, warmup_ratio=optim.warmup_ratio,
+                                    final_ratio=optim.final_ratio)(step))
+    now = float(steps.make_schedule(optim.lr, total, warmup_ratio=optim.warmup_ratio,
+                                    final_ratio=optim.final_ratio)(step))
+    return (f"the run was made for {saved_total} steps and now has {total}: its learning-rate schedule (warm-up, "
+            f"then cosine to {optim.final_ratio} x lr) is laid over the new length, so at step {step} the lr jumps "
+            f"from {was:.3g} to {now:.3g}{' (the decay restarts)' if now > was else ''}; to continue the old decay "
+            "instead, train a new run from this one's export with the lr it had reached")
+
+
 def stage_title(config, workdir, steps: int) -> str:
     """What the curves are of, in the method's words: the stage, the run directory, the steps."""
     kind = config.loss.kind
@@ -253,16 +270,26 @@ class Trainer:
             self.batches.restore(meta["data"])
             self.rng = jax.random.wrap_key_data(np.asarray(meta["rng"], np.uint32))
             log.info("resumed from step %d of %s", self.step, workdir / CHECKPOINT_DIR)
+            changed = schedule_change(self.config.optim, meta.get("total_steps"), self.total_steps, self.step)
+            if changed:
+                log.warning("%s", changed)
 
         self.remote = "://" in str(workdir)
         self.logdir = (pathlib.Path(tempfile.gettempdir()) / "sweet_jax_logs" / workdir.name if self.remote
                        else pathlib.Path(str(workdir)))
         if self.remote and self.is_main:
             self.logdir.mkdir(parents=True, exist_ok=True)
-            if (workdir / "metrics.jsonl").exists():
-                (self.logdir / "metrics.jsonl").write_text((workdir / "metrics.jsonl").read_text())
-        self.writer = metrics_lib.MetricsWriter(self.logdir, resume_step=self.step)
-        self.peak_flops, self.peak_desc = metrics_lib.peak_flops_total(jax.devices())
+            for name in ("metrics.jsonl", metrics_lib.PEAK_FILE):
+                if (workdir / name).exists():
+                    (self.logdir / name).write_text((workdir / name).read_text())
+        tracking = self.config.get("metrics") or {}
+        self.writer = metrics_lib.MetricsWriter(
+            self.logdir, resume_step=self.step, writers=tracking.get("writers", "tensorboard"),
+            group=tracking.get("group", ""), name=tracking.get("name", ""),
+            wandb_project=tracking.get("wandb_project", "sweet_jax"), wandb_mode=tracking.get("wandb_mode", "offline"),
+            config=json.loads(rundir.config_json(self.config)))
+        self.peak_flops, self.peak_desc = metrics_lib.run_peak_flops(self.logdir if self.is_main else None,
+                                                                     jax.devices())
         log.info("MFU peak: %s", self.peak_desc)
         self.all_finite = jax.jit(lambda tree: jax.numpy.all(jax.numpy.stack(
             [jax.numpy.all(jax.numpy.isfinite(x)) for x in jax.tree.leaves(tree)])))

@@ -232,3 +232,53 @@ def test_command_lines_share_a_persistent_compilation_cache_unless_the_user_chos
     environ = {"JAX_COMPILATION_CACHE_DIR": ""}   # off
     cli.compile_cache_environment(environ)
     assert environ["JAX_COMPILATION_CACHE_DIR"] == ""
+
+
+def test_importing_the_library_on_a_cpu_host_with_libtpu_prints_no_tpu_probe(tmp_path):
+    """A notebook's `import sweet_jax` then jax, with libtpu installed (.[plan]) and no TPU: no libtpu lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="0")
+    proc = subprocess.run([sys.executable, "-c", "import sweet_jax, jax; print(jax.devices()[0].platform)"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "cpu", proc.stderr[-3000:]
+    for needle in PROBE_LINES + ("INVALID_ARGUMENT",):
+        assert needle not in proc.stderr, (needle, proc.stderr[-3000:])
+
+
+def test_a_config_file_without_a_preset_says_which_preset_it_runs():
+    note = cli.default_preset_note(["--config", str(REPO / "configs/critic.py"), "--workdir=/tmp/x"])
+    assert "names no preset: running its default preset 'demo'" in note and "configs/critic.py:PRESET" in note
+    assert "presets: demo, demo_mtdpo" in cli.default_preset_note([f"--config={REPO / 'configs/policy.py'}"])
+    assert cli.default_preset_note([f"--config={REPO / 'configs/critic.py'}:llama3_8b"]) is None
+
+
+def test_evaluate_a_row_without_an_assistant_turn_says_there_is_no_answer(tmp_path):
+    row = json.loads(demo.paths().trajectories.read_text().splitlines()[0])
+    row["dialogue_history"] = [t for t in row["dialogue_history"] if t["role"] != "assistant"]
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    proc = command("sweet_jax.evaluate", "t.jsonl", "--out", "o.jsonl", cwd=tmp_path)
+    assert_one_line_error(proc, "t.jsonl:1", "dialogue_history", "no answer to evaluate", "--skip_bad")
+
+
+def test_flag_names_take_underscores_or_dashes_values_are_left_alone():
+    assert cli.flag_spellings(["--accept-config-change", "--config.train.num-steps=3", "--workdir", "/a-b",
+                               "--peft_out=x-y", "--", "--not-a-flag"]) == [
+        "--accept_config_change", "--config.train.num_steps=3", "--workdir", "/a-b", "--peft_out=x-y", "--",
+        "--not-a-flag"]
+    parser = cli.ArgumentParser(prog="p")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--timeout_s", type=float)
+    assert vars(parser.parse_args(["--served_model_name", "m", "--timeout-s", "2"])) == {
+        "served_model_name": "m", "timeout_s": 2.0}
+    assert vars(parser.parse_args(["--served-model-name", "m", "--timeout_s", "2"])) == {
+        "served_model_name": "m", "timeout_s": 2.0}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("sweet_jax.export", "--workdir=/nope", "--peft-out=/tmp/x", "--max-shard-size=1GB", "--out=/tmp/y"), "/nope"),
+    (("sweet_jax.serve", "--model", "/nope", "--served_model_name", "m", "--max_batch_size", "4"), "/nope"),
+])
+def test_absl_and_argparse_commands_accept_the_other_spelling(tmp_path, args, needle):
+    """Past the flag parser either way: the error is about the missing directory, not an unknown flag."""
+    line = assert_one_line_error(command(*args, cwd=tmp_path), needle)
+    assert "unknown" not in line.lower() and "unrecognized" not in line.lower(), line

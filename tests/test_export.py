@@ -39,6 +39,7 @@ def trained_run(tmp_path_factory):
     return tmp / "run"
 
 
+@pytest.mark.slow
 def test_exported_checkpoint_loads_in_transformers_with_the_trained_logits(trained_run, tmp_path):
     out = rundir.export_run(trained_run, tmp_path / "hf")
     for name in ("config.json", "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
@@ -56,6 +57,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_trained_logits(train
     assert len(tokenizer) == model.config.vocab_size
 
 
+@pytest.mark.slow
 def test_export_cli_writes_the_requested_step(trained_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sweet_jax.export", f"--workdir={trained_run}", "--step=2",
                            f"--out={tmp_path / 'hf2'}", "--dtype=bfloat16"], cwd=REPO, env=env(),
@@ -66,6 +68,7 @@ def test_export_cli_writes_the_requested_step(trained_run, tmp_path):
     assert next(hf.parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_export_of_a_missing_step_is_a_one_line_error(trained_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sweet_jax.export", f"--workdir={trained_run}", "--step=9",
                            f"--out={tmp_path / 'hf3'}"], cwd=REPO, env=env(), capture_output=True, text=True,

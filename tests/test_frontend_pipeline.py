@@ -13,7 +13,8 @@ from sweet_jax.data import load_trajectories
 from sweet_jax.data.pairs import gap_pairs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(1800)  # the run is one fixture: browsers + every stage, on a shared 2-core machine
+# The run is one fixture: browsers + every stage, on a shared 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 STAGES = ["tasks", "init", "offline", "critic", "candidates", "rank", "policy_sweet", "eval_zero_shot", "eval_sweet",
           "report"]
 

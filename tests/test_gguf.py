@@ -335,6 +335,7 @@ def smollm2():
                 torch=transformers_from_gguf(path))
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers_gguf_loading(smollm2):
     model = smollm2["model"]
     assert (model.config.num_layers, model.config.num_heads, model.config.num_kv_heads) == (30, 9, 3)
@@ -347,6 +348,7 @@ def test_smollm2_logits_match_transformers_gguf_loading(smollm2):
     assert ours[0, -1].argmax() == theirs[0, -1].argmax()
 
 
+@pytest.mark.slow
 def test_smollm2_weights_equal_transformers_dequantised_weights(smollm2):
     theirs = smollm2["torch"].state_dict()
     for _, hf_name, transform, var, _, _ in _tensor_entries(nnx.state(smollm2["model"], nnx.Param),
@@ -354,6 +356,7 @@ def test_smollm2_weights_equal_transformers_dequantised_weights(smollm2):
         np.testing.assert_array_equal(transform.to_hf(np.asarray(var[...])), theirs[hf_name].numpy(), hf_name)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers_except_digit_splitting(smollm2):
     ours = smollm2["tokenizer"]
     theirs = transformers.AutoTokenizer.from_pretrained(smollm2["path"].parent, gguf_file=smollm2["path"].name)
@@ -368,6 +371,7 @@ def test_smollm2_tokenizer_matches_transformers_except_digit_splitting(smollm2):
     assert ours.convert_ids_to_tokens(ours("x = 2024")["input_ids"]) == ["x", "Ġ=", "Ġ", "2", "0", "2", "4"]
 
 
+@pytest.mark.slow
 def test_smollm2_hf_directory_round_trip(smollm2, tmp_path):
     out = gguf_lib.gguf_to_hf("smollm2", tmp_path / "hf")
     ids = smollm2["ids"]

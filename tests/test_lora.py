@@ -36,6 +36,7 @@ def torch_logits(model) -> np.ndarray:
         return model(torch.tensor(IDS, dtype=torch.long)).logits.float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 def test_fresh_adapters_are_the_base_and_merging_gives_the_adapted_logits(scan_layers):
     model = Llama(LlamaConfig.preset("tiny", scan_layers=scan_layers), rngs=nnx.Rngs(0))
@@ -127,6 +128,7 @@ def straight_lora_run_all_data(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run):
     from sweet_jax import rundir
     from sweet_jax.models.lora import TARGETS
@@ -150,6 +152,7 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
         np.testing.assert_array_equal(np.asarray(frozen[path][...]), np.asarray(var[...]), err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monkeypatch):
     from sweet_jax import rundir, steps, trainer
 
@@ -181,6 +184,7 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_run, tmp_path):
     from sweet_jax import rundir
 
@@ -193,6 +197,7 @@ def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_r
     np.testing.assert_allclose(np.asarray(model(ids.astype(np.int32))), theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_lora_policy_starts_at_the_reference_the_frozen_base(tmp_path):
     """DPO through adapters: at step 1 the policy is the base, which is also the reference (no second copy of
     the weights), so the loss is exactly log 2 plus the NLL term."""

@@ -121,6 +121,7 @@ def test_turn_advantages_of_sequences_packed_in_one_row(norm):
     np.testing.assert_allclose(packed.reshape(2, 2), single, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_match_numpy_and_naive_values_and_gradients():
     rng = np.random.default_rng(5)
     B, T, D, V = 2, 23, 8, 37
@@ -300,6 +301,7 @@ def test_gradients_of_critic_and_dpo_losses_match_finite_differences():
             assert np.all(g[:, :, 0] == 0)
 
 
+@pytest.mark.slow
 def test_token_logprobs_gradient_matches_finite_differences():
     rng = np.random.default_rng(11)
     with jax.enable_x64(True):
@@ -318,6 +320,7 @@ def test_token_logprobs_gradient_matches_finite_differences():
                 np.testing.assert_allclose(g[idx], (fn(*args_p) - fn(*args_m)) / (2 * eps), rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_logprobs_at_positions_equal_the_full_sequence_ones_read_there():
     """token_logprobs_at(positions) == token_logprobs(...)[positions] (0 at padding -1 and at position 0), values
     and gradients, single chunk and several."""

@@ -45,6 +45,7 @@ def test_stacked_layers_carry_a_leading_layers_axis(checkpoint):
     assert q.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_scanned_equals_unrolled_logits_and_gradients(checkpoint, remat):
     unrolled = load_hf(checkpoint, config_overrides={"remat": remat})

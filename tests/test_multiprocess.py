@@ -6,6 +6,7 @@ import socket
 import subprocess
 
 import numpy as np
+import pytest
 
 from test_train import REPO, env, records, small_trajectories, train_args
 
@@ -23,6 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     data = small_trajectories(tmp_path / "traj.jsonl", num_tasks=2)
     one = subprocess.run(args(tmp_path / "one", data), cwd=REPO, env=env(devices=8), capture_output=True,

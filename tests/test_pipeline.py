@@ -86,12 +86,14 @@ def hf_params(path):
     return out
 
 
+@pytest.mark.slow
 def test_tasks_split_into_train_and_heldout(workdir):
     train, heldout = load_tasks(workdir / "tasks/train.jsonl"), load_tasks(workdir / "tasks/heldout.jsonl")
     assert (len(train), len(heldout)) == (12, 6)
     assert not {t.key for t in train} & {t.key for t in heldout}
 
 
+@pytest.mark.slow
 def test_starting_policy_is_sft_on_scored_mixed_demonstrations(workdir):
     demos = read_jsonl(workdir / "init/demos.jsonl")
     rewards = np.array([d["reward"] for d in demos])
@@ -105,6 +107,7 @@ def test_starting_policy_is_sft_on_scored_mixed_demonstrations(workdir):
     assert (workdir / "init/policy_hf/tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_offline_trajectories_are_scored_and_give_critic_pairs(workdir):
     trajs = load_trajectories(workdir / "offline/trajectories.jsonl")
     assert len(trajs) == 12 * 2 + 12 * 2   # best_of 2 collected by the policy + 2 scripted per task
@@ -115,6 +118,7 @@ def test_offline_trajectories_are_scored_and_give_critic_pairs(workdir):
     assert done["critic_pairs"] > 0
 
 
+@pytest.mark.slow
 def test_critics_and_policies_are_trained_from_the_starting_policy(workdir):
     start = hf_params(workdir / "init/policy_hf")
     for d in ["critic/hf", "critic_no_info/hf", *POLICY_DIRS.values()]:
@@ -131,6 +135,7 @@ def test_critics_and_policies_are_trained_from_the_starting_policy(workdir):
         str(workdir / "rank/pairs.jsonl")
 
 
+@pytest.mark.slow
 def test_candidates_and_step_level_pairs(workdir):
     cands = read_jsonl(workdir / "candidates/candidates.jsonl")
     assert len(cands) == 8 and all(len(c["texts"]) == 4 and len(c["sampler_logp"]) == 4 for c in cands)
@@ -145,6 +150,7 @@ def test_candidates_and_step_level_pairs(workdir):
             assert p["prompt_text"] == by_key[(p["trajectory_index"], p["turn"])]["prompt_text"]
 
 
+@pytest.mark.slow
 def test_every_policy_is_evaluated_on_the_heldout_tasks(workdir):
     heldout = {t.key for t in load_tasks(workdir / "tasks/heldout.jsonl")}
     results = json.loads((workdir / "results.json").read_text())
@@ -159,6 +165,7 @@ def test_every_policy_is_evaluated_on_the_heldout_tasks(workdir):
         assert policy == str(workdir / ("init/policy_hf" if method == "zero_shot" else POLICY_DIRS[method]))
 
 
+@pytest.mark.slow
 def test_results_table_and_chart(workdir):
     results = json.loads((workdir / "results.json").read_text())
     table = (workdir / "results.md").read_text()
@@ -174,6 +181,7 @@ def test_results_table_and_chart(workdir):
     assert matplotlib.image.imread(str(workdir / "results.png")).shape[0] > 100
 
 
+@pytest.mark.slow
 def test_rerun_skips_every_completed_stage(workdir):
     watched = [workdir / "results.md", workdir / "policies/sweet/hf/config.json", workdir / "rank/pairs.jsonl",
                workdir / "eval/sweet/trajectories.jsonl"]
@@ -186,6 +194,7 @@ def test_rerun_skips_every_completed_stage(workdir):
     assert "| SWEET-RL |" in proc.stdout   # the table is printed again
 
 
+@pytest.mark.slow
 def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
     for stage in ("init", "critic", "eval/sweet"):
         record = json.loads((workdir / stage / "done.json").read_text())
@@ -194,6 +203,7 @@ def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
     assert diagnostics["cpu_minutes"] > 0 and diagnostics["minutes"] > 0
 
 
+@pytest.mark.slow
 def test_another_seed_reuses_the_starting_policy_of_a_finished_run(workdir, tmp_path):
     sys.path.insert(0, str(REPO))
     from configs import pipeline as pipeline_configs
@@ -243,7 +253,8 @@ def _selection_run(workdir, dst, *extra):
     import shutil
     shutil.copytree(workdir, dst, ignore=shutil.ignore_patterns("policies", "eval", "report", "evidence"))
     (dst / "tasks" / "done.json").unlink()
-    return run_cli(dst, "--config.methods=zero_shot,sweet,sweet_iterative", "--config.iterate.rounds=2",
+    return run_cli(dst, "--accept_config_change", "--config.methods=zero_shot,sweet,sweet_iterative",
+                   "--config.iterate.rounds=2",
                    "--config.tasks.num_validation=3", "--config.select.lrs=1e-3,3e-3", *extra, timeout=1500)
 
 
@@ -534,6 +545,7 @@ def test_policy_behaviour_measures_questions_and_copy_accuracy():
     assert b["guess_accuracy_pct"] == 0.0          # finance never asked, guessed wrong
 
 
+@pytest.mark.slow
 def test_the_openai_backend_through_sweet_jax_serve_gives_the_same_run(workdir, runs):
     """The test preset with every policy sampled through the `openai` backend by `python -m sweet_jax.serve`
     engines the pipeline starts after exporting each policy (the command template). The starting policy's draws

@@ -15,7 +15,7 @@ from sweet_jax.models import gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # One fixture runs every stage on 135M-parameter weights (each stage compiles its own programs).
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def hf_params(path):

@@ -32,6 +32,7 @@ def test_parse_topology_rejects_unknown_slices(bad):
         plan.parse_topology(bad)
 
 
+@pytest.mark.slow
 def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     c = tiny_config()
     c.data.max_len = 512
@@ -51,6 +52,7 @@ def test_small_critic_step_compiles_for_a_v5e_2x2_and_reports_memory():
     assert "| v5e-4 (v5e:2x2) | critic | 512 |" in plan.report(result)
 
 
+@pytest.mark.slow
 def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_state():
     # The 8B/70B layout (stacked layers under jax.lax.scan, residual stream split over 'tensor') holds the
     # same per-chip state as the per-layer model and still compiles for a TPU slice.
@@ -73,6 +75,7 @@ def test_scanned_sequence_parallel_step_compiles_for_a_tpu_slice_with_the_same_s
     assert scanned.layout.startswith("scan") and "SP" in scanned.layout and unrolled.layout.startswith("unrolled")
 
 
+@pytest.mark.slow
 def test_the_residual_stream_keeps_its_batch_split_over_the_fsdp_chips(monkeypatch):
     # Unconstrained, XLA may follow the FSDP-sharded embedding instead: every chip then computes the whole batch
     # with the hidden size split (the 8B LoRA critic on v5e-8 compiled to 21.30 GiB of temps that way, 12.29 with
@@ -124,6 +127,7 @@ def test_out_of_memory_from_the_tpu_compiler_reads_as_does_not_fit():
     assert not refused.fits and "NO" in plan.report(refused) and "refused" in plan.report(refused)
 
 
+@pytest.mark.slow
 def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_hbm():
     c = tiny_config()
     c.data.max_len = 128
@@ -144,6 +148,7 @@ def test_bfloat16_moments_and_offloaded_state_compile_for_a_tpu_slice_and_leave_
     assert "bf16 moments, opt state on host" in low.layout and "host" in plan.report(low)
 
 
+@pytest.mark.slow
 def test_local_topology_compiles_for_this_hosts_devices_with_their_memory():
     # --topology local: the devices JAX sees (8 fake CPU devices in the tests, a GPU under jax[cuda]); the same
     # step and state as for a TPU slice of as many chips, compiled for the real backend.
@@ -168,3 +173,70 @@ def test_local_topology_compiles_for_this_hosts_devices_with_their_memory():
     assert result.temp_bytes > 0 and result.fits
     assert f"| {local.num_chips}x {local.device_kind} ({local.device_kind} x{local.num_chips}) | critic | 256 |" \
         in plan.report(result)
+
+
+def test_fit_layouts_are_ordered_cheapest_first_and_skip_what_the_config_already_uses():
+    c = tiny_config()
+    c.train.batch_size = 4
+    c.model.remat = "full"
+    layouts = plan.fit_layouts(c, plan.parse_topology("v5e:2x2"))
+    assert layouts[0].overrides == () and layouts[1].describe() == "model.scan_layers=True"
+    assert [layout.cost for layout in layouts] == sorted(layout.cost for layout in layouts)
+    fields = {field for layout in layouts for field, _ in layout.overrides}
+    assert "model.remat" not in fields and {"optim.moments_dtype", "optim.offload_state", "train.micro_batch_size",
+                                            "model.sequence_parallel", "mesh.shape"} <= fields
+    assert ("mesh.shape", (1, 2, 2)) in {kv for layout in layouts for kv in layout.overrides}
+
+
+@pytest.mark.slow
+def test_fit_compiles_cheapest_first_and_prints_the_command_of_the_first_layout_that_fits():
+    """A tiny critic on a v5e 2x2 slice, with a per-chip budget just under what its configured layout needs: the
+    search stops at the first (cheapest) layout under it, and the commands carry the user's flags and its own."""
+    c = tiny_config()
+    c.data.max_len = 256
+    c.train.batch_size = 4
+    topology = plan.parse_topology("v5e:2x2")
+    configured = plan.make_plan(c, topology, verbose=False)
+    lines = []
+    layout, result, tried = plan.fit(c, topology, budget_bytes=configured.total_bytes - 1, verbose=False,
+                                     log=lines.append)
+    assert layout is not None and result.total_bytes < configured.total_bytes
+    assert [t.total_bytes >= configured.total_bytes for _, t in tried] == [True] * (len(tried) - 1) + [False]
+    assert len(lines) == len(tried) and lines[-1].endswith("fits") and "as configured" in lines[0]
+    train, check = plan.fit_commands(["--config", "configs/critic.py:demo", "--config.data.max_len=256"], layout,
+                                     "v5e:2x2")
+    assert train.startswith("python -m sweet_jax.train --config=configs/critic.py:demo --config.data.max_len=256 ")
+    assert all(flag in train and flag in check for flag in layout.flags) and check.endswith("--topology v5e:2x2")
+
+
+def test_slice_presets_carry_the_layouts_measured_to_fit_those_slices():
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "critic_config", pathlib.Path(__file__).parents[1] / "configs" / "critic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config("llama3_8b_v5e_16")
+    assert (c.mesh.shape, c.train.micro_batch_size, c.model.sequence_parallel, c.optim.offload_state) == (
+        (1, 2, 8), 2, True, True)
+    assert c.optim.lr == module.get_config("llama3_8b").optim.lr == 2e-7
+
+
+@pytest.mark.slow
+def test_plan_fit_on_the_command_line_prints_the_layout_and_the_exact_commands(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "sweet_jax.plan", "--config", "configs/critic.py:demo",
+                           "--topology", "v5e:2x2", "--fit", "--config.data.max_len=256"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "try 1 (cost +0%): as configured:" in proc.stdout and "the cheapest layout that fits: as configured" in \
+        proc.stdout
+    assert ("train: python -m sweet_jax.train --config=configs/critic.py:demo --config.data.max_len=256 --workdir "
+            "WORKDIR") in proc.stdout

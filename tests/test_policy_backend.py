@@ -18,6 +18,8 @@ from sweet_jax import policy_backend, ranking
 from sweet_jax.data.schema import Trajectory
 from draws import MIN_IDENTICAL, assert_mostly_identical, assert_same_draws
 
+pytestmark = pytest.mark.slow  # an engine (python -m sweet_jax.serve) per module, restarted by some tests
+
 SERVE = "{python} -m sweet_jax.serve --model {hf_dir} --port {port} --served-model-name policy"
 
 

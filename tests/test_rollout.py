@@ -191,6 +191,7 @@ def rollout_cli(out, server_url, *extra):
             "--config.sandbox.workers=1", "--config.progress=False", *extra]
 
 
+@pytest.mark.slow
 def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, simulator_server):
     from sweet_jax.data.schema import load_trajectories
 
@@ -224,3 +225,14 @@ def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, s
     assert "8 episodes" in second.stdout and "success rate" in second.stdout
     assert json.loads(collect.summary_path(out).read_text())["episodes"] == 8
     assert simulator_server.app.engine.batch_sizes, "the simulator server was never asked"
+
+
+def test_the_summary_names_the_failures_file_only_where_it_exists(tmp_path):
+    from sweet_jax.rollout import format_summary
+
+    out = tmp_path / "traj.jsonl"
+    summary = {"episodes": 4, "failed_episodes": 0, "success_rate": 0.5, "tests_passed_pct": 60.0,
+               "turns_per_episode": 2.0}
+    assert "(0 failed this run)" in format_summary(summary, out) and "failed.jsonl" not in format_summary(summary, out)
+    collect.failures_path(out).write_text('{"task_index": 0}\n')
+    assert f"see {out.name}.failed.jsonl" in format_summary(dict(summary, failed_episodes=1), out)

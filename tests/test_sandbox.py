@@ -274,6 +274,7 @@ def test_known_wrong_answers_score_the_fraction_of_cases_they_pass(evaluator):
     assert missing.reward == 0.0 and "NameError" in missing.details["cases"][0]["message"]
 
 
+@pytest.mark.slow
 def test_hostile_programs_score_zero_and_leave_nothing_behind(evaluator, sentinels):
     os.environ["SWEET_JAX_TEST_SECRET"] = "s3cr3t-env"  # the sandbox must not see the trainer's env
     programs = _hostile_programs(sentinels)

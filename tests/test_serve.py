@@ -202,7 +202,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ("top_p", 0), ("n", 0), ("n", 1000), ("n", 2.5), ("seed", 2**70), ("seed", "7"), ("max_tokens", 0),
     ("max_tokens", 10**6), ("max_completion_tokens", -3), ("stop", ["a"] * 5), ("stop", [""]), ("stop", 5),
     ("logprobs", "yes"), ("presence_penalty", 0.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 5}),
-    ("stream", True), ("user", 5), ("messages", []), ("messages", [{"role": "user"}]), ("top_logprobs", 2),
+    ("stream", "yes"), ("stream_options", {"include_usage": True}), ("user", 5), ("messages", []),
+    ("messages", [{"role": "user"}]), ("top_logprobs", 2),
     ("temprature", 0.5),
 ])
 def test_every_chat_parameter_is_checked_and_named(server, field, value):
@@ -376,3 +377,57 @@ def test_a_long_request_does_not_hold_short_ones(server):
     thread.join(timeout=600)
     assert status == 200 and done["long"][0] == 200
     assert short_done < done["long"][1]
+
+
+def test_chat_streams_token_deltas_that_join_to_the_reply_then_finish_reason_and_usage(client, server):
+    """stream=true through the openai client: the role first, deltas that join to the non-streamed reply, the
+    finish reason, and with include_usage a last chunk with no choices and the usage."""
+    messages = [{"role": "user", "content": "What is the sum?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content for c in chunks[1:-2]]
+    assert len(deltas) > 1 and "".join(deltas) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+
+def test_completions_stream_each_choice_with_its_token_logprobs(client, server):
+    kwargs = dict(model="tiny", prompt="The sum", max_tokens=6, n=2, seed=3, logprobs=1)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == choice.finish_reason
+        streamed = [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert streamed == choice.logprobs.token_logprobs[:len(streamed)] and streamed
+    assert all(c.usage is None for c in chunks)   # no include_usage: no usage chunk
+
+
+def test_stream_deltas_always_join_to_the_reply():
+    from sweet_jax.serve import text_deltas
+
+    assert text_deltas("ab c", ["a", "b", " c"]) == [("a", 0), ("b", 1), (" c", 2)]
+    # A stop string cut the reply inside a token, and the stop token decodes to nothing of the text.
+    assert text_deltas("ab", ["a", "bc", "<|eot_id|>"]) == [("a", 0), ("b", -1)]
+    assert text_deltas("", ["<|eot_id|>"]) == []
+
+
+def test_warmup_compiles_the_shapes_a_first_request_would_otherwise_wait_for(hf_dir):
+    import transformers
+
+    from sweet_jax.serve import OpenAIApp
+
+    sampler = Sampler(load_hf(hf_dir), transformers.AutoTokenizer.from_pretrained(str(hf_dir)))
+    app = OpenAIApp(sampler, model_name="tiny", default_max_tokens=4)
+    try:
+        assert app.warmup(max_prompt=32) == 2       # the 16- and 32-token prompt buckets
+        compiled = lambda: {k: f._cache_size() for fns in (sampler._prefill_fns, sampler._decode_fns,  # noqa: E731
+                                                            sampler._grow_fns) for k, f in fns.items()}
+        before = compiled()
+        app.completions({"model": "tiny", "prompt": "The sum of two", "max_tokens": 4, "temperature": 0})
+        assert compiled() == before
+    finally:
+        app.close()

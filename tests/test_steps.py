@@ -98,6 +98,7 @@ def test_sharded_step_equals_single_device(single_device_results, kind, mesh_sha
     assert embedding.addressable_shards[0].data.shape == (CFG.vocab_size // tensor, CFG.hidden_size // fsdp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_loop", [False, True])
 @pytest.mark.parametrize("kind", ["critic", "dpo", "rft"])
 def test_gradient_accumulation_equals_full_batch(kind, host_loop):
@@ -144,6 +145,7 @@ def test_automatic_micro_batches_equal_the_full_batch(monkeypatch):
         np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("kind", ["critic", "dpo", "rft"])
 def test_host_loop_runs_each_micro_batch_at_its_own_length_with_the_same_step(kind, side):
@@ -302,6 +304,7 @@ def test_adam_moments_are_sharded_like_their_parameters():
     assert gate.addressable_shards[0].data.shape == (CFG.hidden_size // 4, CFG.intermediate_size // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, P_", [("critic", 2), ("dpo", 2), ("mtdpo", 2), ("rft", 1)])
 def test_scored_positions_give_the_same_step_as_every_position(kind, P_):
     """batch['score_pos'] (log-probs at the action tokens only) changes the work, not the loss: the same metrics
@@ -363,6 +366,7 @@ def test_bfloat16_moments_follow_adamw_with_moments_rounded_each_step():
     assert np.abs(np.asarray(p32["w"]) - np.asarray(jp["w"])).max() > 1e-6
 
 
+@pytest.mark.slow
 def test_bfloat16_moments_halve_the_optimiser_state_and_train_sharded():
     batch = pair_batch()
     opt32 = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0)
@@ -380,6 +384,7 @@ def test_bfloat16_moments_halve_the_optimiser_state_and_train_sharded():
         steps.make_optimizer(1e-3, 10, moments_dtype="float16")
 
 
+@pytest.mark.slow
 def test_sharded_unembedding_gradient_gives_the_same_step(monkeypatch):
     """Under the trainer's jax.set_mesh the chunked log-prob backward accumulates the unembedding gradient
     sharded like the unembedding (losses._chunked_label_logprobs); it gives the same update as XLA's own
@@ -423,6 +428,7 @@ def test_sharded_unembedding_gradient_is_sharded_and_exact():
     assert temps["sharded"] < temps["xla"], temps
 
 
+@pytest.mark.slow
 def test_offloaded_optimiser_state_trains_like_the_device_one():
     """optim.offload_state: the moments live in host memory between steps (on the CPU backend its
     'pinned_host' memory kind is the same RAM) and the step gives the same parameters and moments."""
@@ -447,6 +453,7 @@ def test_offloaded_optimiser_state_trains_like_the_device_one():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moments, offload", [("float32", False), ("bfloat16", True)])
 def test_layerwise_update_of_stacked_layers_equals_the_whole_stack_update(moments, offload):
     """optim.layerwise_update: the train step runs AdamW over a scan_layers model's stacked layers one layer at a

@@ -97,6 +97,7 @@ def straight_run(tmp_path_factory, data):
     return workdir
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_returns_at_once_and_a_changed_config_is_refused(straight_run, data):
     """The same command again: nothing rendered, no reference pass, no line added to metrics.jsonl. Another
     learning rate on the same workdir: one line naming the field, exit 2, the saved config untouched."""
@@ -119,6 +120,7 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
     config = demo_config(file="critic.py", preset="demo")
     assert rundir.write_config(config, tmp_path) == []
     assert rundir.write_config(config, tmp_path) == []  # the same config: a plain resume
+    (tmp_path / rundir.CHECKPOINT_DIR / "2").mkdir(parents=True)  # the run has saved a step: its results exist
     changed = demo_config(file="critic.py", preset="demo", optim__lr=0.01)
     with pytest.raises(rundir.RunDirError, match=r"optim.lr: 0.003 -> 0.01"):
         rundir.write_config(changed, tmp_path)
@@ -127,8 +129,62 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
     assert rundir.read_config(tmp_path).optim.lr == 0.01
     [record] = [json.loads(line) for line in (tmp_path / rundir.CONFIG_CHANGES).read_text().splitlines()]
     assert record["changes"] == [{"field": "optim.lr", "old": 0.003, "new": 0.01}] and record["time"]
+    assert record["why"].startswith("accepted")
 
 
+@pytest.mark.slow
+def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, tmp_path):
+    """A wrong trajectories path fails before any step is saved; the rerun with the right path trains, and the
+    replaced config is on record."""
+    from sweet_jax import rundir
+
+    failed = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'typo.jsonl'}", check=False)
+    assert failed.returncode == 2 and "typo.jsonl" in failed.stderr, failed.stderr[-2000:]
+    run_train(tmp_path / "run", data, "--config.train.num_steps=2")
+    assert steps_on_disk(tmp_path / "run") == [2]
+    assert rundir.read_config(tmp_path / "run").data.trajectories == str(data)
+    [record] = [json.loads(line) for line in (tmp_path / "run" / rundir.CONFIG_CHANGES).read_text().splitlines()]
+    assert {c["field"] for c in record["changes"]} == {"data.trajectories", "train.num_steps"}
+    assert "produced nothing" in record["why"]
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_the_mfu_peak(straight_run, data,
+                                                                                              tmp_path):
+    import shutil
+
+    workdir = tmp_path / "extended"
+    shutil.copytree(straight_run, workdir)
+    peak = json.loads((workdir / "summary.json").read_text())["peak_flops"]
+    proc = run_train(workdir, data, "--config.data.eval_fraction=0.2", f"--config.train.num_steps={STEPS + 2}",
+                     "--accept_config_change")
+    assert f"the run was made for {STEPS} steps and now has {STEPS + 2}" in proc.stderr, proc.stderr[-3000:]
+    assert "the decay restarts" in proc.stderr
+    assert "recorded at the run's first start" in proc.stderr
+    assert json.loads((workdir / "summary.json").read_text())["peak_flops"] == peak
+
+
+def test_the_schedule_warning_names_the_lr_before_and_after():
+    from sweet_jax import trainer
+
+    optim = demo_config(file="critic.py", preset="demo").optim
+    assert trainer.schedule_change(optim, 100, 100, 100) is None
+    message = trainer.schedule_change(optim, 100, 200, 100)
+    assert "made for 100 steps and now has 200" in message and "jumps from 0.0003 to 0.00" in message
+
+
+def test_the_mfu_peak_is_measured_once_per_run(tmp_path, monkeypatch):
+    import jax
+
+    from sweet_jax import metrics
+
+    first = metrics.run_peak_flops(tmp_path, jax.devices())
+    monkeypatch.setattr(metrics, "peak_flops_total", lambda *_: (1.0, "measured again"))
+    again = metrics.run_peak_flops(tmp_path, jax.devices())
+    assert again[0] == first[0] and "recorded at the run's first start" in again[1]
+
+
+@pytest.mark.slow
 def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
     """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
     import ctypes.util
@@ -139,6 +195,7 @@ def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
         assert "host allocator: system" in log  # the automatic choice falls back without a warning
 
 
+@pytest.mark.slow
 def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
     train = records(straight_run)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -183,6 +240,7 @@ runpy.run_module("sweet_jax.train", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupted_run(straight_run, data, tmp_path):
     """Killed (SIGKILL) after step 5 with checkpoints 2 and 4 on disk; checkpoint 4 then truncated: the rerun
     warns, falls back to step 2 (not 0), and ends with the same losses and parameters as the straight run."""
@@ -222,6 +280,7 @@ def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupt
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
 
+@pytest.mark.slow
 def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, tmp_path, caplog):
     """FSDP over the 8 devices (the presets' (1, -1, 1)) cannot split a batch of 4 pairs: the trainer runs on
     (1, 4, 2) instead, says so, and trains the step."""
@@ -239,6 +298,7 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
     assert any("mesh {'data': 1, 'fsdp': 4, 'tensor': 2}" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """The step's loss turns NaN at step 3: the run stops, checkpoint 2 (whose weights gave that loss) is
     moved aside, checkpoint 1 stays as the last good one."""
@@ -328,6 +388,7 @@ def ranked_pairs(path, trajectories_path, tokenizer) -> pathlib.Path:
     return path
 
 
+@pytest.mark.slow
 def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_path):
     from sweet_jax import rundir
     from sweet_jax.data import datasets
@@ -355,6 +416,7 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
     np.testing.assert_array_equal(chosen.input_ids[:prompt_len], rejected.input_ids[:prompt_len])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
     """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
@@ -445,6 +507,7 @@ def test_entry_points_show_user_errors_as_one_line_and_exit_2(capsys):
         errors.cli_main(log, lambda: {}["missing"])
 
 
+@pytest.mark.slow
 def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tmp_path):
     """model.scan_layers + model.sequence_parallel (the layout the 8B/70B plan rows use) reach the trainer: on a
     (1, 2, 2) mesh the stacked-layer, token-split model trains like the per-layer one on one device, and its

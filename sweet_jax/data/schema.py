@@ -141,7 +141,8 @@ class Trajectory:
         return out
 
     @classmethod
-    def from_json(cls, obj, *, where: str = "") -> "Trajectory":
+    def from_json(cls, obj, *, where: str = "", no_reply: str = "nothing to train on") -> "Trajectory":
+        """no_reply: why a trajectory without an assistant turn cannot be used, in the reading command's words."""
         _require_object(obj, where, "")
         if "task" not in obj:
             raise DataError("is missing (each trajectory holds its task object)", where=where, field="task")
@@ -157,7 +158,7 @@ class Trajectory:
                             "assistant reply", where=where, field="dialogue_history")
         turns = tuple(_turn(t, where, f"dialogue_history[{i}]") for i, t in enumerate(history))
         if not any(t.role == "assistant" for t in turns):
-            raise DataError("has no assistant turn: nothing to train on", where=where,
+            raise DataError(f"has no assistant turn: {no_reply}", where=where,
                             field="dialogue_history")
         answer = obj.get("answer", "")
         if answer is None:
@@ -350,10 +351,11 @@ def load_tasks(path, *, skip_bad: bool = False) -> Loaded:
     return _load(path, lambda obj, where: Task.from_json(obj, where=where), skip_bad=skip_bad, what="tasks")
 
 
-def load_trajectories(path, *, skip_bad: bool = False) -> Loaded:
-    """Trajectories from JSONL (message turns or the official pre-rendered input/output turns)."""
-    return _load(path, lambda obj, where: Trajectory.from_json(obj, where=where), skip_bad=skip_bad,
-                 what="trajectories")
+def load_trajectories(path, *, skip_bad: bool = False, no_reply: str = "nothing to train on") -> Loaded:
+    """Trajectories from JSONL (message turns or the official pre-rendered input/output turns). no_reply: what a
+    row without an assistant turn is refused with (Trajectory.from_json)."""
+    return _load(path, lambda obj, where: Trajectory.from_json(obj, where=where, no_reply=no_reply),
+                 skip_bad=skip_bad, what="trajectories")
 
 
 def write_jsonl(path, records) -> None:
