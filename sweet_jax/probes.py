@@ -27,8 +27,13 @@ from sweet_jax.data.tokenizers import pad_id
 from sweet_jax.envs import ANSWER_MARKER
 
 
+_SCORE_STEPS: dict = {}
+
+
 def _scorer(model):
-    return ranking.make_mean_logp_fn(model)
+    """model's mean log-prob function, with one compiled program per architecture: the probes score many models
+    of one run (checkpoints, policies, critics) of the same shapes."""
+    return ranking.make_mean_logp_fn(model, compiled=_SCORE_STEPS)
 
 
 def summed_logps(model, tokenizer, seqs: Sequence[tuple[list[int], list[int]]], *, batch_size: int = 16,

@@ -145,17 +145,25 @@ def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template:
                                   info_placement=info_placement, label="last")
 
 
-def make_mean_logp_fn(model, temperature: float = 1.0):
+def make_mean_logp_fn(model, temperature: float = 1.0, *, compiled: dict | None = None):
     """(input_ids [B,T], attention_mask [B,T], turn_ids [B,T]) -> [B] mean log-prob of each row's turn-id-1
     tokens: the critic score step (steps.make_score_step, turn_mean) with a zero reference, so the
-    reference term (pi_ref with c, or the sampler's) is subtracted outside and either kind plugs in."""
+    reference term (pi_ref with c, or the sampler's) is subtracted outside and either kind plugs in.
+    compiled: a dict shared by calls that score several models of one architecture (Llama keeps no
+    non-parameter state), which then share one compiled step, keyed by the model's graph and the temperature."""
+    import jax
     from flax import nnx
 
     from sweet_jax import steps
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    score = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest,
-                                  temperature=temperature)
+    key = (graphdef, jax.tree.structure(rest), temperature)
+    score = None if compiled is None else compiled.get(key)
+    if score is None:
+        score = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest,
+                                      temperature=temperature)
+        if compiled is not None:
+            compiled[key] = score
 
     def mean_logp(ids_BT, mask_BT, turns_BT):
         batch = {"input_ids": ids_BT[:, None], "attention_mask": mask_BT[:, None], "turn_ids": turns_BT[:, None],
