@@ -24,7 +24,7 @@ import ml_collections
 
 from sweet_jax import config_utils, policy_backend
 
-PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_test")
+PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_test")
 METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_iterative on request
 
 
@@ -238,7 +238,7 @@ def get_config(preset: str = "demo"):
         c.eval.max_turns = 3
         c.train.max_len = 512
         c.train.bucket = 512              # one sequence shape per stage: one compilation
-    elif preset in ("smollm2", "smollm2_test"):
+    elif preset in ("smollm2", "smollm2_select", "smollm2_test"):
         # A real pretrained chat model (SmolLM2-135M-Instruct) on the synthetic lookup tasks, on CPU. Zero-shot it
         # does not follow the protocol (it writes unrelated code and never asks), so the starting policy is the
         # pretrained model after a short SFT on mixed-quality scripted demonstrations of fresh tasks; it copies
@@ -273,6 +273,24 @@ def get_config(preset: str = "demo"):
         c.model.attention_impl = "auto"   # blocked on CPU, recomputed in the backward: no [B, N, T, T] kept
         # KV cache: 46 KB per token slot per row for this model; 32 rows x (512 + 96) slots stay under 1 GB
         c.train.max_batch_size = 32
+        if preset == "smollm2_select":
+            # The protocol of README "How settings are chosen": the same starting policy, offline episodes and
+            # critics as smollm2; every trained method's (lr, steps) chosen on 32 validation tasks on seed 0 and
+            # frozen for seeds 1 and 2; SWEET-RL's policy step as the official recipe (every turn of the first 10%
+            # of the offline trajectories, 16 candidates, 4 pairs a turn drawn with replacement, ties allowed; 30
+            # steps of 8 pairs are one epoch of ~240 pairs, the official one epoch); iterative SWEET-RL (2 rounds)
+            # beside it, its rounds chosen on validation too.
+            c.methods = ",".join(METHODS + ("sweet_iterative",))
+            c.tasks.num_validation = 32
+            c.select.lrs = "3e-6,1e-5"
+            c.select.steps = "8,16,32"
+            c.iterate.rounds = 2
+            c.rank.turn_selection = "trajectories"
+            c.rank.data_fraction = 0.1
+            c.rank.max_prompts = 0
+            c.rank.num_candidates = 16
+            c.rank.num_pairs = 4
+            c.rank.pairing = "official"
         if preset == "smollm2_test":  # each kind of stage on the real weights, a few steps each (CI's time budget:
             # the other methods run the same trainer and sampler, tested on the tiny model by the `test` preset)
             c.methods = "zero_shot,sweet"
