@@ -28,13 +28,8 @@ def record_config(config, *, accept_config_change: bool = False) -> list:
     from sweet_jax import jsonl, rundir
     out = pathlib.Path(config.output)
     produced = out.exists() and bool(jsonl.read(out, partial="drop"))
-    changes = rundir.record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
-                                   accept_change=accept_config_change, ignore=OPERATIONAL_FIELDS, where=str(out))
-    if changes and produced:
-        log.warning("config changed on this rerun; the pairs already in %s were made with the old values, only "
-                    "the turns not ranked yet use the new ones: %s", out,
-                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
-    return changes
+    return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,
+                                       ignore=OPERATIONAL_FIELDS, what="pairs")
 
 
 def run(config, *, accept_config_change: bool = False) -> dict:

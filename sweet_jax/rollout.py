@@ -15,14 +15,12 @@ episodes loop, its output file and resume are sweet_jax.collect's).
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 
 from sweet_jax import collect, policy_backend, rundir
 from sweet_jax.collect import RolloutError, failures_path, summarize, summary_path
 from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 
-log = logging.getLogger("sweet_jax.rollout")
 
 
 # Fields that change how fast the episodes come, not what they are: a rerun may change them freely.
@@ -98,13 +96,8 @@ def record_config(config, *, accept_config_change: bool = False) -> list:
     in OUTPUT.config_changes.jsonl). Checked before any model loads: a refused run costs nothing."""
     out = pathlib.Path(config.output)
     produced = out.exists() and bool(collect.read_records(out))
-    changes = rundir.record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
-                                   accept_change=accept_config_change, ignore=OPERATIONAL_FIELDS, where=str(out))
-    if changes and produced:
-        log.warning("config changed on this rerun; the episodes already in %s were played with the old values, "
-                    "only the ones not played yet use the new ones: %s", out,
-                    "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
-    return changes
+    return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,
+                                       ignore=OPERATIONAL_FIELDS, what="episodes")
 
 
 def format_summary(summary: dict, out) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import errno
 import json
+import logging
 import math
 import os
 import pathlib
@@ -174,6 +175,22 @@ def _new_field_at_its_default(field: str, old: Any, new: Any) -> bool:
             return False
         default = default[key]
     return default == new
+
+
+def record_output_config(config, output, *, produced: bool, accept_change: bool, ignore: tuple[str, ...],
+                         what: str) -> list[tuple[str, Any, Any]]:
+    """record_config for a command that appends results to one JSONL file (rank's pairs, rollout's episodes):
+    the record is OUTPUT.config.json; an accepted change is also said in the log, since the `what` already in
+    OUTPUT keep the old values."""
+    out = _path(output)
+    changes = record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
+                            accept_change=accept_change, ignore=ignore, where=str(out))
+    if changes and produced:
+        logging.getLogger("sweet_jax.rundir").warning(
+            "config changed on this rerun; the %s already in %s came from the old values, only the ones not made "
+            "yet use the new ones: %s", what, out, "; ".join(f"{field}: {old!r} -> {new!r}"
+                                                             for field, old, new in changes))
+    return changes
 
 
 def record_config(config, record, *, produced: bool, accept_change: bool = False, write: bool = True,
