@@ -22,7 +22,6 @@ from sweet_jax.collect import RolloutError, failures_path, summarize, summary_pa
 from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 
 
-
 # Fields that change how fast the episodes come, not what they are: a rerun may change them freely.
 OPERATIONAL_FIELDS = ("progress", "output", "batch_size", "max_batch_size", "mesh", "sandbox.workers")
 
