@@ -599,9 +599,6 @@ def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *
 # (5) candidates and ranking
 # ==========================================================================================================
 
-TURN_SELECTIONS = ("sample", "trajectories", "balanced")
-
-
 def ranked_prompts(run: Run, trajectories: str):
     """The turn prefixes o_t that get candidates (config.rank.turn_selection, configs/pipeline.py)."""
     from sweet_jax import ranking
@@ -610,47 +607,10 @@ def ranked_prompts(run: Run, trajectories: str):
     r = run.config.rank
     trajs = load_trajectories(trajectories)
     selection = r.get("turn_selection", "sample")
-    return select_turn_prompts(ranking.turn_prompts(trajs), selection, max_prompts=r.max_prompts,
-                               data_fraction=r.get("data_fraction", 1.0), seed=run.config.seed,
-                               tasks=[t.task.to_json() for t in trajs] if selection == "balanced" else None)
-
-
-def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data_fraction: float, seed: int,
-                        tasks: Sequence[dict] | None = None) -> list:
-    """sample: a seeded sample of max_prompts; trajectories: every turn of the first data_fraction of the
-    trajectories (the official rule), capped at max_prompts; balanced: a seeded sample of max_prompts, of which
-    those where every value is known (synthetic tasks, `tasks` by trajectory index) make up to half."""
-    if selection not in TURN_SELECTIONS:
-        raise PipelineError(f"config.rank.turn_selection={selection!r}: use one of {', '.join(TURN_SELECTIONS)}")
-    rng = np.random.default_rng(seed)
-
-    def sample(items, n):
-        if not n or n >= len(items):
-            return items
-        return [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
-
-    if selection == "trajectories":
-        if not 0.0 < data_fraction <= 1.0:
-            raise PipelineError(f"config.rank.data_fraction={data_fraction}: use a fraction in (0, 1]")
-        count = len({p.trajectory_index for p in prompts})
-        kept = [p for p in prompts if p.trajectory_index < int(count * data_fraction)]
-        if not kept:
-            raise PipelineError(f"config.rank.data_fraction={data_fraction} of {count} trajectories keeps none; "
-                                "raise it")
-        return kept[:max_prompts] if max_prompts else kept
-    if selection == "balanced":
-        from sweet_jax import diagnostics
-        if tasks is None:
-            raise PipelineError("config.rank.turn_selection='balanced' needs the synthetic tasks (it balances "
-                                "prompts by which values are known)")
-        known = [diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in prompts]
-        ready = [p for p, k in zip(prompts, known) if k]
-        rest = [p for p, k in zip(prompts, known) if not k]
-        n = max_prompts or len(prompts)
-        ready = sample(ready, min(len(ready), n // 2))
-        picked = ready + sample(rest, n - len(ready))
-        return sorted(picked, key=lambda p: p.key)
-    return sample(prompts, max_prompts)
+    return ranking.select_turn_prompts(ranking.turn_prompts(trajs), selection, max_prompts=r.max_prompts,
+                                       data_fraction=r.get("data_fraction", 1.0), seed=run.config.seed,
+                                       tasks=[t.task.to_json() for t in trajs] if selection == "balanced" else None,
+                                       field="config.rank")
 
 
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:

@@ -51,7 +51,7 @@ def run_probes(workdir: pathlib.Path) -> dict:
     final policy, the other trained policies, and the critics."""
     import ml_collections
 
-    from sweet_jax import pipeline, probes, ranking, rundir
+    from sweet_jax import probes, ranking, rundir
     from sweet_jax.data import load_trajectories
     from sweet_jax.data.pairs import trajectory_pairs
     from sweet_jax.data.tokenizers import load_tokenizer
@@ -59,17 +59,19 @@ def run_probes(workdir: pathlib.Path) -> dict:
     from sweet_jax.models import load_hf
 
     config = ml_collections.ConfigDict(json.loads((workdir / "pipeline_config.json").read_text()))
-    run = pipeline.Run(config, workdir)
     offline = workdir / "offline" / "trajectories.jsonl"
     trajs = load_trajectories(offline)
     records = [t.to_json() for t in trajs]
-    tokenizer = load_tokenizer(pipeline.tokenizer_dir(config))
     start_hf = json.loads((workdir / "init" / "done.json").read_text())["summary"]["policy_hf"]
+    tokenizer = load_tokenizer(start_hf)   # every model of a run reads the starting policy's tokenizer
     start = load_hf(start_hf)
     system = AGENT_PROMPT if config.agent_prompt else None
 
     every = ranking.turn_prompts(trajs)
-    ranked = pipeline.ranked_prompts(run, str(offline)) if (workdir / "candidates" / "done.json").exists() else every
+    r = config.rank
+    ranked = every if not (workdir / "candidates" / "done.json").exists() else ranking.select_turn_prompts(
+        every, r.get("turn_selection", "sample"), max_prompts=r.max_prompts, data_fraction=r.get("data_fraction", 1.0),
+        seed=config.seed, tasks=[t["task"] for t in records])   # the ranked prompts, as the pipeline chose them
     ranked_states = probes.load_states(ranked, records)
     ready = [p for p, st in zip(every, probes.load_states(every, records)) if st["all_known"]]
     ready_tasks = [records[p.trajectory_index]["task"] for p in ready]

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from sweet_jax import diagnostics
 from sweet_jax.data.schema import PolicyPair
 from sweet_jax.errors import SweetJaxError
 
@@ -84,6 +85,46 @@ def turn_prompts(trajectories: Sequence[Any]) -> list[TurnPrompt]:
                                       tuple({"role": b.role, "content": b.content} for b in before),
                                       tuple(before), t.input))
     return prompts
+
+
+TURN_SELECTIONS = ("sample", "trajectories", "balanced")
+
+
+def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data_fraction: float, seed: int,
+                        tasks: Sequence[dict] | None = None, field: str = "rank") -> list:
+    """sample: a seeded sample of max_prompts; trajectories: every turn of the first data_fraction of the
+    trajectories (the official rule), capped at max_prompts; balanced: a seeded sample of max_prompts, of which
+    those where every value is known (synthetic tasks, `tasks` by trajectory index) make up to half."""
+    if selection not in TURN_SELECTIONS:
+        raise RankError(f"{field}.turn_selection={selection!r}: use one of {', '.join(TURN_SELECTIONS)}")
+    rng = np.random.default_rng(seed)
+
+    def sample(items, n):
+        if not n or n >= len(items):
+            return items
+        return [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
+
+    if selection == "trajectories":
+        if not 0.0 < data_fraction <= 1.0:
+            raise RankError(f"{field}.data_fraction={data_fraction}: use a fraction in (0, 1]")
+        count = len({p.trajectory_index for p in prompts})
+        kept = [p for p in prompts if p.trajectory_index < int(count * data_fraction)]
+        if not kept:
+            raise RankError(f"{field}.data_fraction={data_fraction} of {count} trajectories keeps none; "
+                            "raise it")
+        return kept[:max_prompts] if max_prompts else kept
+    if selection == "balanced":
+        if tasks is None:
+            raise RankError(f"{field}.turn_selection='balanced' needs the synthetic tasks (it balances prompts "
+                            "by which values are known)")
+        known = [diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in prompts]
+        ready = [p for p, k in zip(prompts, known) if k]
+        rest = [p for p, k in zip(prompts, known) if not k]
+        n = max_prompts or len(prompts)
+        ready = sample(ready, min(len(ready), n // 2))
+        picked = ready + sample(rest, n - len(ready))
+        return sorted(picked, key=lambda p: p.key)
+    return sample(prompts, max_prompts)
 
 
 # ----------------------------------------------------------------------------------------------------------
