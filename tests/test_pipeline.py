@@ -292,7 +292,8 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
     config2 = json.loads((sel_dir / "rounds/2/policy/train/config.json").read_text())
     assert config2["model"]["path"] == round1 and config2["optim"]["lr"] == choice["lr"]
     critic2 = json.loads((sel_dir / "rounds/2/critic/train/config.json").read_text())
-    assert critic2["model"]["path"] == str(sel_dir / "init/policy_hf")      # every critic starts from pi_ref
+    start = json.loads((sel_dir / "init/done.json").read_text())["summary"]["policy_hf"]
+    assert critic2["model"]["path"] == start      # every critic starts from pi_ref
     assert len(read_jsonl(sel_dir / "rounds/2/episodes/trajectories.jsonl")) == 48 + 24   # both rounds' episodes
     best_round = rounds["choice"]["round"]
     iterative = json.loads((sel_dir / "eval/sweet_iterative/done.json").read_text())["summary"]["policy"]
