@@ -1092,10 +1092,9 @@ def write_selection(run: Run, grid: Grid, selection: dict, zero_shot: dict | Non
 
 
 def write_json(path: pathlib.Path, value) -> None:
-    """value as indented JSON, written whole then renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    """value as indented JSON, written atomically (rundir.write_atomic)."""
+    from sweet_jax import rundir
+    rundir.write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
 def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = False) -> None:
