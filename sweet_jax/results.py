@@ -40,6 +40,10 @@ def read_results(workdir) -> dict:
     results = json.loads(path.read_text())
     if "methods" not in results:
         raise ReportError(f"{path}: no 'methods' field; this file was not written by sweet_jax.pipeline")
+    for records in (path.parent / "evidence" / "stages.json", path.parent / "stages.json"):
+        if records.exists():  # every stage's done.json record, keyed by its directory (pipeline.write_evidence)
+            results["stage_records"] = json.loads(records.read_text())
+            break
     return results
 
 
@@ -72,9 +76,44 @@ def results_table(runs: Sequence[dict], *, title: str = "") -> str:
     if diag:
         lines += ["", "| Diagnostics | " + " | ".join(f"seed {s}" for s in seeds) + " |",
                   "|---|" + "---|" * len(runs)] + diag
+    if any(r.get("stage_records") for r in runs):
+        lines += ["", stage_times_table(runs)]
     for r in runs:
         if r.get("selection"):
             lines += ["", selection_table(r["selection"])]
+    return "\n".join(lines) + "\n"
+
+
+def stage_group(directory: str) -> str:
+    """The row a stage's time counts in: its top directory, per method for the policies, their validation and
+    evaluation ('policies/sweet/lr1e-05' -> 'policies/sweet'), per round for iterative SWEET-RL."""
+    parts = directory.split("/")
+    return "/".join(parts[:2]) if parts[0] in ("policies", "valid", "eval", "rounds") and len(parts) > 1 else parts[0]
+
+
+def stage_times_table(runs: Sequence[dict]) -> str:
+    """Markdown: wall-clock and CPU minutes of each group of stages, per run (from the stage records a run keeps),
+    summed over the invocations that ran them; the CPU minutes divided by the cores are the idle machine's time."""
+    times = []
+    for r in runs:
+        groups: dict[str, list[float]] = {}
+        for directory, record in r.get("stage_records", {}).items():
+            wall_cpu = groups.setdefault(stage_group(directory), [0.0, 0.0])
+            wall_cpu[0] += record.get("seconds", 0.0) / 60.0
+            wall_cpu[1] += (record.get("cpu_seconds") or 0.0) / 60.0
+        times.append(groups)
+    order = []
+    for groups in times:
+        order += [g for g in groups if g not in order]
+    lines = ["Stage times, minutes (wall / CPU):", "",
+             "| stages | " + " | ".join(f"seed {r.get('seed')}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for g in order + ["all"]:
+        cells = []
+        for groups in times:
+            wall_cpu = ([sum(v[0] for v in groups.values()), sum(v[1] for v in groups.values())] if g == "all"
+                        else groups.get(g))
+            cells.append("" if not wall_cpu else f"{wall_cpu[0]:.0f} / {wall_cpu[1]:.0f}")
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

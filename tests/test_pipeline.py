@@ -390,6 +390,25 @@ def test_mean_table_over_seeds():
     assert "seeds: 0, 1" in table
 
 
+def test_the_report_sums_stage_times_by_group_and_reads_them_from_a_run(tmp_path):
+    record = lambda seconds, cpu: {"seconds": seconds, "cpu_seconds": cpu}  # noqa: E731
+    stages = {"critic": record(600, 900), "policies/sweet/lr1e-05": record(120, 180),
+              "policies/sweet/lr3e-06": record(60, 90), "valid/sweet/lr1e-05_step8": record(30, 60),
+              "rounds/2/critic": record(300, 420), "rounds/2/rank": record(60, 60), "eval/sweet": record(90, 120)}
+    run = {"seed": 0, "model": "m", "heldout_tasks": 4, "methods": {
+        "sweet": {"tests_passed_pct": 10.0, "success_rate_pct": 5.0, "episodes": 4}}}
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    (tmp_path / "evidence").mkdir()
+    (tmp_path / "evidence" / "stages.json").write_text(json.dumps(stages))
+    table = results_lib.results_table([results_lib.read_results(tmp_path)])
+    assert "| critic | 10 / 15 |" in table
+    assert "| policies/sweet | 3 / 4 |" in table          # two learning rates: 180 s wall, 270 s CPU
+    assert "| rounds/2 | 6 / 8 |" in table              # critic and rank of round 2: 360 s, 480 s
+    assert "| valid/sweet | 0 / 1 |" in table and "| eval/sweet | 2 / 2 |" in table
+    assert "| all | 21 / 30 |" in table                 # 1260 s wall, 1830 s CPU
+    assert results_lib.stage_group("valid/sweet/lr1e-05_step8") == "valid/sweet"
+
+
 def test_the_table_shows_the_validation_grid_with_the_choice():
     cell = lambda lr, step, success: {"lr": lr, "step": step, "success_rate": success,  # noqa: E731
                                       "tests_passed_pct": 50.0}
