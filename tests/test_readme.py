@@ -366,3 +366,114 @@ def test_the_checker_refuses_wrong_lines(line, expected):
         assert problems == []
     else:
         assert any(expected in p for p in problems), problems
+
+
+# ==========================================================================================================
+# Links between the documents
+# ==========================================================================================================
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def broken_links(path: pathlib.Path) -> list[str]:
+    """Relative links `[text](file#anchor)` of a document whose file or heading does not exist."""
+    problems = []
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            problems.append(f"{path.name}: link to {target}: {file} does not exist")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            problems.append(f"{path.name}: link to {target}: no heading #{anchor} in {linked.name}")
+    return problems
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_link_of_the_document_leads_to_a_file_and_heading(document):
+    assert broken_links(REPO / document) == []
+
+
+def test_a_link_to_a_missing_heading_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Title: one\n\n## Two (x >= 1)\n\n[ok](#two-x--1) [bad](#three) [gone](b.md)\n")
+    assert anchors(tmp_path / "a.md") == {"title-one", "two-x--1"}
+    assert broken_links(tmp_path / "a.md") == ["a.md: link to #three: no heading #three in a.md",
+                                                "a.md: link to b.md: b.md does not exist"]
+
+
+# ==========================================================================================================
+# docs/configuration.md: the field tables are the configs' fields
+# ==========================================================================================================
+
+# heading of a table in docs/configuration.md -> the config (file:preset) whose fields it lists, and the prefix
+# its rows leave out
+FIELD_TABLES = {
+    "## Training fields": ("configs/critic.py:demo", ""),
+    "## Ranking fields": ("configs/rank.py:demo", ""),
+    "## Rollout fields": ("configs/rollout.py:demo", ""),
+    "## The policy's inference engine": ("configs/rank.py:demo", ""),
+    "## Pipeline fields": ("configs/pipeline.py:demo", ""),
+    "Each training stage": ("configs/pipeline.py:demo", "critic."),
+    "## Frontend additions": ("configs/frontend.py:frontend_demo", ""),
+}
+
+
+def loaded_config(value: str):
+    argv = ["prog", f"--config={REPO / value}"]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+def config_leaves(config, prefix: str = "") -> set[str]:
+    out = set()
+    for key in config.keys():
+        value = config[key]
+        out |= config_leaves(value, f"{prefix}{key}.") if hasattr(value, "keys") else {f"{prefix}{key}"}
+    return out
+
+
+def documented_fields(text: str) -> dict[str, list[str]]:
+    """Table heading -> the fields its rows name (the first column, in backquotes)."""
+    tables: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        current = next((h for h in FIELD_TABLES if line.startswith(h)), current)
+        match = re.match(r"\| `([\w.]+)` \|", line)
+        if match and current:
+            tables.setdefault(current, []).append(match.group(1))
+    return tables
+
+
+def test_every_field_in_the_configuration_page_exists_and_every_field_is_there():
+    tables = documented_fields((REPO / "docs" / "configuration.md").read_text())
+    assert set(tables) == set(FIELD_TABLES), "a field table of docs/configuration.md is missing or renamed"
+    unknown, documented = [], {}
+    for heading, fields in tables.items():
+        config, prefix = FIELD_TABLES[heading]
+        leaves = config_leaves(loaded_config(config))
+        documented.setdefault(config, set()).update(prefix + f for f in fields)
+        unknown += [f"{heading}: {prefix}{f} is not a field of {config}" for f in fields if prefix + f not in leaves]
+    assert not unknown, "\n".join(unknown)
+    # Every field is documented: the pipeline's stage blocks share the stage table, its metrics block is the
+    # training one's, the frontend table lists only what configs/frontend.py adds.
+    stage_fields = {f.split(".")[-1] for f in documented["configs/pipeline.py:demo"] if f.startswith("critic.")}
+    missing = []
+    for config in ("configs/critic.py:demo", "configs/rank.py:demo", "configs/rollout.py:demo", "configs/pipeline.py:demo"):
+        for leaf in sorted(config_leaves(loaded_config(config)) - documented[config]):
+            block, _, name = leaf.rpartition(".")
+            if config.startswith("configs/pipeline.py") and (
+                    (block in ("critic", "sweet", "mtdpo", "rft", "init.sft") and name in stage_fields)
+                    or block == "metrics"):
+                continue
+            if block == "policy.openai" and leaf in documented["configs/rank.py:demo"]:
+                continue
+            missing.append(f"{config}: {leaf}")
+    assert not missing, "fields missing from docs/configuration.md:\n" + "\n".join(missing)
