@@ -25,7 +25,8 @@ import ml_collections
 from sweet_jax import config_utils, policy_backend
 
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_test")
-METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_iterative on request
+METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_balanced and
+# sweet_iterative (beyond the paper) on request
 
 
 def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_coef=0.0, eval_fraction=0.0,
@@ -166,6 +167,9 @@ def get_config(preset: str = "demo"):
     # SWEET-RL itself. With selection on, the round played on the held-out tasks is chosen on validation.
     c.iterate = ml_collections.ConfigDict()
     c.iterate.rounds = 2
+    # SWEET-RL with turn prompts balanced by state (method sweet_balanced, an option beyond the paper): its own
+    # candidates and ranking (the critic with c) on as many turn prompts as rank.turn_selection takes, up to half
+    # of them states where every value is already known (synthetic tasks), then SWEET-RL's DPO.
 
     # (7) evaluation on held-out tasks
     c.eval = ml_collections.ConfigDict()
@@ -278,9 +282,9 @@ def get_config(preset: str = "demo"):
             # critics as smollm2; every trained method's (lr, steps) chosen on 32 validation tasks on seed 0 and
             # frozen for seeds 1 and 2; SWEET-RL's policy step as the official recipe (every turn of the first 10%
             # of the offline trajectories, 16 candidates, 4 pairs a turn drawn with replacement, ties allowed; 30
-            # steps of 8 pairs are one epoch of ~240 pairs, the official one epoch); iterative SWEET-RL (2 rounds)
-            # beside it, its rounds chosen on validation too.
-            c.methods = ",".join(METHODS + ("sweet_iterative",))
+            # steps of 8 pairs are one epoch of ~240 pairs, the official one epoch); beside it, the options beyond
+            # the paper: turn prompts balanced by state, and iterative SWEET-RL (2 rounds, chosen on validation too).
+            c.methods = ",".join(METHODS + ("sweet_balanced", "sweet_iterative"))
             c.tasks.num_validation = 32
             c.select.lrs = "3e-6,1e-5"
             c.select.steps = "8,16,32"

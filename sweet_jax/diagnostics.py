@@ -226,7 +226,7 @@ def run_diagnostics(workdir) -> dict:
     workdir = pathlib.Path(workdir)
     traj = workdir / "offline" / "trajectories.jsonl"
     out = {}
-    for name in ("rank", "rank_no_info"):
+    for name in ("rank", "rank_no_info", "rank_balanced"):
         pairs = workdir / name / "pairs.jsonl"
         if pairs.exists() and traj.exists():
             out[name] = pair_oracle_agreement(pairs, traj)

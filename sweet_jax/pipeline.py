@@ -52,7 +52,7 @@ from sweet_jax.errors import SweetJaxError
 log = logging.getLogger("sweet_jax.pipeline")
 
 DONE = "done.json"
-ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_iterative")
+ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_balanced", "sweet_iterative")
 
 
 class PipelineError(SweetJaxError):
@@ -599,21 +599,30 @@ def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *
 # (5) candidates and ranking
 # ==========================================================================================================
 
-def ranked_prompts(run: Run, trajectories: str):
-    """The turn prefixes o_t that get candidates (config.rank.turn_selection, configs/pipeline.py)."""
+def ranked_prompts(run: Run, trajectories: str, *, balanced: bool = False):
+    """The turn prefixes o_t that get candidates (config.rank.turn_selection, configs/pipeline.py). balanced (the
+    method sweet_balanced): as many prompts as that selection takes, drawn with up to half of them states where
+    every value is known (ranking.select_turn_prompts' 'balanced')."""
     from sweet_jax import ranking
     from sweet_jax.data import load_trajectories
 
     r = run.config.rank
     trajs = load_trajectories(trajectories)
     selection = r.get("turn_selection", "sample")
-    return ranking.select_turn_prompts(ranking.turn_prompts(trajs), selection, max_prompts=r.max_prompts,
-                                       data_fraction=r.get("data_fraction", 1.0), seed=run.config.seed,
-                                       tasks=[t.task.to_json() for t in trajs] if selection == "balanced" else None,
-                                       field="config.rank")
+    every = ranking.turn_prompts(trajs)
+
+    def select(selection, max_prompts):
+        return ranking.select_turn_prompts(every, selection, max_prompts=max_prompts,
+                                           data_fraction=r.get("data_fraction", 1.0), seed=run.config.seed,
+                                           tasks=[t.task.to_json() for t in trajs] if selection == "balanced"
+                                           else None, field="config.rank")
+
+    prompts = select(selection, r.max_prompts)
+    return select("balanced", len(prompts)) if balanced else prompts
 
 
-def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
+def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *,
+                     balanced: bool = False) -> dict:
     """num_candidates replies for every ranked prompt, appended batch by batch: an interrupted stage resumes at
     the first batch not written (each batch's seed is fixed by its position, so the file is the same either way)."""
     from sweet_jax import ranking
@@ -622,7 +631,7 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
     from tqdm import tqdm
 
     c = run.config
-    prompts = ranked_prompts(run, trajectories)
+    prompts = ranked_prompts(run, trajectories, balanced=balanced)
     out = d / "candidates.jsonl"
     done = {(r["trajectory_index"], r["turn"]) for r in jsonl.read(out, partial="repair")}
     per = c.rank.prompts_per_batch
@@ -647,14 +656,14 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
 
 
 def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajectories: str, candidates: str,
-               *, use_info: bool) -> dict:
+               *, use_info: bool, balanced: bool = False) -> dict:
     from sweet_jax import ranking
     from sweet_jax.data.schema import CandidatesRecord, PolicyPair, load_records
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import load_hf
 
     c = run.config
-    prompts = ranked_prompts(run, trajectories)
+    prompts = ranked_prompts(run, trajectories, balanced=balanced)
     by_key = {r.key: r for r in load_records(candidates, CandidatesRecord)}
     missing = [p.key for p in prompts if p.key not in by_key]
     if missing:
@@ -706,7 +715,7 @@ def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
 
 def policy_train_config(run: Run, method: str, policy_hf: str, *, trajectories: str = "", pairs: str = ""):
     c = run.config
-    if method in ("sweet", "sweet_no_info"):
+    if method in ("sweet", "sweet_no_info", "sweet_balanced"):
         return train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, pairs=pairs, seed_offset=2)
     if method == "mtdpo":
         return train_config(c, kind="mtdpo", stage=c.mtdpo, model_path=policy_hf, trajectories=trajectories,
@@ -837,6 +846,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "critic_no_info_heldout_accuracy": s.get("critic_no_info", {}).get("heldout_accuracy"),
         "policy_pairs": s.get("rank", {}).get("pairs"),
         "policy_pairs_no_info": s.get("rank_no_info", {}).get("pairs"),
+        "policy_pairs_balanced": s.get("rank_balanced", {}).get("pairs"),
         "pair_agreement": s.get("pair_agreement"),
         # every stage's own wall-clock time, summed over the invocations that ran them (resumes included)
         "minutes": sum(r["seconds"] for r in records) / 60.0,
@@ -907,6 +917,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         if "sweet_iterative" in methods and "sweet" not in methods:
             raise PipelineError("config.methods: sweet_iterative starts from SWEET-RL's policy (its round 1); "
                                 "add sweet")
+        if "sweet_balanced" in methods and "sweet" not in methods:
+            raise PipelineError("config.methods: sweet_balanced ranks with SWEET-RL's critic; add sweet")
         needs = {"critic": "sweet" in methods, "critic_no_info": "sweet_no_info" in methods}
         for name, use_info in (("critic", True), ("critic_no_info", False)):
             if needs[name]:
@@ -922,6 +934,12 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                         run, d, policy_hf, s[cr]["hf"], traj, cands, use_info=u))
             if all(needs.values()):
                 s["pair_agreement"] = pair_agreement(s["rank"]["file"], s["rank_no_info"]["file"], cands)
+            if "sweet_balanced" in methods:  # its own turn prompts (balanced by state), the same critic with c
+                s["candidates_balanced"] = run.stage("candidates_balanced", "candidates_balanced", lambda d: (
+                    stage_candidates(run, d, policy_hf, traj, balanced=True)))
+                s["rank_balanced"] = run.stage("rank_balanced", "rank_balanced", lambda d: stage_rank(
+                    run, d, policy_hf, s["critic"]["hf"], traj, str(d.parent / "candidates_balanced" /
+                                                                    "candidates.jsonl"), use_info=True, balanced=True))
         hf = {"zero_shot": policy_hf}
         grid = selection_grid(config)
         if grid is not None and grid.validate and "zero_shot" in methods:
@@ -931,7 +949,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         for m in methods:
             if m in ("zero_shot", "sweet_iterative"):
                 continue
-            pairs = s.get("rank" if m == "sweet" else "rank_no_info", {}).get("file", "")
+            pairs = s.get({"sweet": "rank", "sweet_balanced": "rank_balanced"}.get(m, "rank_no_info"), {}).get(
+                "file", "")
             if grid is None:
                 s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
                     run, d, m, policy_hf, trajectories=traj, pairs=p))
@@ -996,7 +1015,10 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     if synthetic and run.path("candidates", DONE).exists():
         trajs = _read_jsonl(offline)
         write_json(out / "prompts.json", diagnostics.prompt_states(ranked_prompts(run, str(offline)), trajs))
-    for name in ("rank", "rank_no_info"):
+    if synthetic and run.path("candidates_balanced", DONE).exists():
+        write_json(out / "prompts_balanced.json",
+                   diagnostics.prompt_states(ranked_prompts(run, str(offline), balanced=True), trajs))
+    for name in ("rank", "rank_no_info", "rank_balanced"):
         pairs, scores = run.path(name, "pairs.jsonl"), run.path(name, "scores.jsonl")
         if not pairs.exists():
             continue

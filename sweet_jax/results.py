@@ -18,6 +18,7 @@ METHOD_NAMES = {
     "mtdpo": "Multi-Turn DPO",
     "sweet_no_info": "SWEET-RL w/o training-time information",
     "sweet": "SWEET-RL",
+    "sweet_balanced": "SWEET-RL, turn prompts balanced by state (beyond the paper)",
     "sweet_iterative": "SWEET-RL, iterative rounds (beyond the paper)",
 }
 METRICS = (("tests_passed_pct", "% Tests Passed"), ("success_rate_pct", "Success Rate"))
@@ -153,9 +154,11 @@ DIAGNOSTICS = (
     ("critic_no_info_heldout_accuracy", "critic without c: held-out pair accuracy"),
     ("policy_pairs", "step-level policy pairs (with c)"),
     ("policy_pairs_no_info", "step-level policy pairs (without c)"),
+    ("policy_pairs_balanced", "step-level policy pairs (with c, prompts balanced by state)"),
     ("pair_agreement", "ranking with c vs without c: same chosen side (%)"),
     ("pair_oracle_agreement", "pairs with c whose chosen reply is truly better (%, synthetic oracle)"),
     ("pair_oracle_agreement_no_info", "pairs without c whose chosen reply is truly better (%)"),
+    ("pair_oracle_agreement_balanced", "pairs on prompts balanced by state whose chosen reply is truly better (%)"),
     ("minutes", "wall-clock minutes of all stages"),
     ("cpu_minutes", "CPU minutes of all stages (this process)"),
     ("load_average", "mean 1-min load average at the stages' starts and ends"),

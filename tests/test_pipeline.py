@@ -254,7 +254,7 @@ def _selection_run(workdir, dst, *extra):
     import shutil
     shutil.copytree(workdir, dst, ignore=shutil.ignore_patterns("policies", "eval", "report", "evidence"))
     (dst / "tasks" / "done.json").unlink()
-    return run_cli(dst, "--accept_config_change", "--config.methods=zero_shot,sweet,sweet_iterative",
+    return run_cli(dst, "--accept_config_change", "--config.methods=zero_shot,sweet,sweet_balanced,sweet_iterative",
                    "--config.iterate.rounds=2",
                    "--config.tasks.num_validation=3", "--config.select.lrs=1e-3,3e-3", *extra, timeout=1500)
 
@@ -298,6 +298,22 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
     best_round = rounds["choice"]["round"]
     iterative = json.loads((sel_dir / "eval/sweet_iterative/done.json").read_text())["summary"]["policy"]
     assert iterative == (round1 if best_round == 1 else str(sel_dir / f"rounds/2/policy/step{choice['step']}/hf"))
+
+    # SWEET-RL on turn prompts balanced by state: as many prompts as SWEET-RL's ranking, up to half of them states
+    # where every value is known, ranked by the same critic; its own grid and choice
+    from sweet_jax import diagnostics, ranking
+    offline = load_trajectories(sel_dir / "offline/trajectories.jsonl")
+    every = ranking.turn_prompts(offline)
+    ready = sum(diagnostics.turn_state(offline[p.trajectory_index].task.to_json(), p.messages)["all_known"]
+                for p in every)
+    balanced = json.loads((sel_dir / "evidence/prompts_balanced.json").read_text())
+    assert balanced["prompts"] == json.loads((sel_dir / "evidence/prompts.json").read_text())["prompts"] == 8
+    assert balanced["all_known"] == min(ready, 4)
+    rank_config = json.loads((sel_dir / "rank_balanced/done.json").read_text())["summary"]
+    assert rank_config["use_info"] and rank_config["pairs"] == len(read_jsonl(sel_dir / "rank_balanced/pairs.jsonl"))
+    assert sorted(selection["methods"]["sweet_balanced"]["curve"]) == sorted(curve)
+    pairs = json.loads((sel_dir / "policies/sweet_balanced/lr0.001/train/config.json").read_text())["data"]["pairs"]
+    assert pairs == str(sel_dir / "rank_balanced/pairs.jsonl")
 
     # another seed trains the chosen learning rate on the same schedule and plays the chosen step, no validation
     proc = _selection_run(workdir, tmp_path / "frozen", f"--config.select.frozen={sel_dir / 'selection.json'}")
