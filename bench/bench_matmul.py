@@ -12,6 +12,7 @@ bf16 peak the train-step bench compares with (bench_train_step.py's peak side).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -39,7 +40,8 @@ def implementations():
     }
     reason = cpu_matmul.unavailable_reason()
     if reason is None:
-        impls["sweet_jax oneDNN bf16"] = ("jax", jnp.bfloat16, jax.jit(cpu_matmul.matmul))
+        impls["sweet_jax oneDNN bf16"] = ("jax", jnp.bfloat16, jax.jit(functools.partial(cpu_matmul.matmul,
+                                                                                          backend="onednn")))
     return impls, reason
 
 

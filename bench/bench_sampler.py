@@ -348,7 +348,7 @@ def main() -> None:
     parser.add_argument("--model", default="", help="an HF Llama checkpoint directory: rows on its weights")
     parser.add_argument("--batches", default="8,64", help="--model: batch sizes, one row each")
     parser.add_argument("--new-tokens", type=int, default=128, help="--model: new tokens per row")
-    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "onednn"],
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "xla_bf16", "onednn"],
                         help="--model: the sweet_jax side's model.cpu_matmul")
     parser.add_argument("--hf-dtype", default="", help="--model: the transformers side's dtype (default --dtype)")
     parser.add_argument("--_child", default="", help=argparse.SUPPRESS)

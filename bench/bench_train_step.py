@@ -26,7 +26,7 @@ Variant specs are comma-separated key=value pairs:
          choice, steps.auto_micro_batch_size)
          block=128 (attention_block_size)  score=1|0 (1: log-probs at the action tokens only, the batch's
          score_pos as the trainer builds it with loss.score_positions, its default; 0: at every token)
-         xla_flags='--xla_...'  matmul=auto|xla|onednn (model.cpu_matmul: the projections as bfloat16 matmuls on
+         xla_flags='--xla_...'  matmul=auto|xla|xla_bf16|onednn (model.cpu_matmul: the projections as bfloat16 matmuls on
          oneDNN, float32 accumulation and master weights; models/cpu_matmul.py)
   both:  malloc=tcmalloc|hugepages|system: the host allocator the child process starts with (sweet_jax.host_malloc;
          tcmalloc is what sweet_jax's command lines set up for themselves, so it is the sweet_jax side's default;
@@ -242,7 +242,7 @@ def prepare_peak(a, path, spec, n=2048, reps=3):
     f = jax.jit(lambda x: x @ x)
     t = torch.ones((n, n), dtype=torch.float32)
     t16 = t.to(torch.bfloat16)
-    onednn = jax.jit(lambda x: cpu_matmul.matmul(x, x)) if cpu_matmul.unavailable_reason() is None else None
+    onednn = jax.jit(lambda x: cpu_matmul.matmul(x, x, "onednn")) if cpu_matmul.unavailable_reason() is None else None
     x16 = x.astype(jnp.bfloat16)
 
     def best(fn):

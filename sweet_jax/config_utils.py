@@ -30,8 +30,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"            # none | full | dots_saveable
     c.model.attention_impl = "auto"   # auto | xla | cudnn | chunked | blocked (see models/llama.py)
     c.model.attention_chunk_size = 512  # query rows per block of attention_impl="chunked"
-    c.model.cpu_matmul = "auto"       # auto | xla | onednn: projections as bf16 matmuls on the CPU's AMX/AVX512-BF16
-    #                                   units via oneDNN (auto: when available; models/cpu_matmul.py)
+    c.model.cpu_matmul = "auto"       # auto | xla | xla_bf16 | onednn: projections as bf16 matmuls, float32
+    #                                   accumulation, on the CPU's AMX/AVX512-BF16 units (models/cpu_matmul.py)
     c.model.scan_layers = False       # stacked decoder layers under jax.lax.scan (one layer compiled, not 32/80)
     c.model.sequence_parallel = False  # residual stream between layers split over 'tensor' along tokens
 

@@ -216,8 +216,9 @@ def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
     """float32 logits of each row's last position: [B, V] (never [B, T, V]), from the unembedding or from its
     column blocks (`unembed_parts`, see _split_unembedding)."""
     parts = unembed_parts if unembed_parts is not None else [model.unembedding()]
-    if cpu_matmul.use_onednn(model.config.cpu_matmul):
-        return jnp.concatenate([cpu_matmul.matmul(hidden_BTD[:, -1], u_DV) for u_DV in parts], axis=-1)
+    bf16 = cpu_matmul.bf16_backend(model.config.cpu_matmul)
+    if bf16:
+        return jnp.concatenate([cpu_matmul.matmul(hidden_BTD[:, -1], u_DV, bf16) for u_DV in parts], axis=-1)
     h_BD = hidden_BTD[:, -1].astype(parts[0].dtype)
     logits = [jnp.dot(h_BD, u_DV, preferred_element_type=jnp.float32).astype(jnp.float32) for u_DV in parts]
     return logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=-1)
@@ -233,10 +234,12 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
     way made the 24M model's step slower: 9.1 -> 10.3-11.6 ms.)"""
     model = nnx.merge(graphdef, state)
     unembed_DV = model.unembedding()
-    if cpu_matmul.use_onednn(model.config.cpu_matmul):  # one bf16 block: oneDNN runs it on every core
+    bf16 = cpu_matmul.bf16_backend(model.config.cpu_matmul)
+    if bf16 == "onednn":  # one block: oneDNN runs it on every core
         return [unembed_DV.astype(jnp.bfloat16)]
     if mesh is not None or jax.default_backend() != "cpu":
         return [unembed_DV]
+    unembed_DV = unembed_DV.astype(jnp.bfloat16) if bf16 else unembed_DV
     V = unembed_DV.shape[1]
     n = max(1, min(os.cpu_count() or 1, 8, V // 1024))
     bounds = [V * i // n for i in range(n + 1)]
@@ -597,7 +600,7 @@ class Sampler:
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
         unembed_parts = self._unembed_fn(graphdef, state)
-        if cpu_matmul.use_onednn(self.model.config.cpu_matmul):
+        if cpu_matmul.bf16_backend(self.model.config.cpu_matmul):
             state = _bf16_kernels(state)  # once per batch: each decode step reads half the bytes
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it

@@ -43,8 +43,9 @@ def token_logprobs_naive(logits_BTV: jax.Array, input_ids_BT: jax.Array) -> jax.
 
 
 def _chunk_logits(hidden_BCD, unembed_DV):
-    if cpu_matmul.unembedding_on_onednn():  # bf16 operands, float32 logits (model.cpu_matmul)
-        return cpu_matmul.contract(hidden_BCD, unembed_DV, 1)
+    bf16 = cpu_matmul.unembedding_backend()
+    if bf16:  # bf16 operands, float32 logits (model.cpu_matmul)
+        return cpu_matmul.contract(hidden_BCD, unembed_DV, 1, bf16)
     acc_dtype = jnp.promote_types(hidden_BCD.dtype, jnp.float32)
     return jnp.einsum("bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=acc_dtype)
 

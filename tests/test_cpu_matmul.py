@@ -31,22 +31,25 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@needs_onednn
-def test_matmul_equals_the_float32_product_of_bfloat16_rounded_operands():
+BACKENDS = [pytest.param("xla_bf16"), pytest.param("onednn", marks=needs_onednn)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_equals_the_float32_product_of_bfloat16_rounded_operands(backend):
     x = jax.random.normal(jax.random.key(0), (37, 64))
     w = jax.random.normal(jax.random.key(1), (64, 48))
-    y = jax.jit(cpu_matmul.matmul)(x, w)
+    y = jax.jit(cpu_matmul.matmul, static_argnums=2)(x, w, backend)
     ref = x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
     assert y.dtype == jnp.float32 and y.shape == (37, 48)
     assert rel_err(y, ref) < 1e-5  # float32 accumulation: only the summation order differs
 
 
-@needs_onednn
-def test_matmul_gradients_are_the_transposed_products_in_the_operands_dtypes():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_gradients_are_the_transposed_products_in_the_operands_dtypes(backend):
     x = jax.random.normal(jax.random.key(0), (20, 32))
     w = jax.random.normal(jax.random.key(1), (32, 24))
     dy = jax.random.normal(jax.random.key(2), (20, 24))
-    _, vjp = jax.vjp(cpu_matmul.matmul, x, w)
+    _, vjp = jax.vjp(lambda x, w: cpu_matmul.matmul(x, w, backend), x, w)
     dx, dw = vjp(dy)
     bf = lambda a: np.asarray(a.astype(jnp.bfloat16), np.float32)  # noqa: E731
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
@@ -54,15 +57,15 @@ def test_matmul_gradients_are_the_transposed_products_in_the_operands_dtypes():
     assert rel_err(dw, bf(x).T @ bf(dy)) < 1e-5
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_model_logits_track_float32(tied):
-    fast, ref = model_pair(tie_word_embeddings=tied)
+def test_model_logits_track_float32(backend, tied):
+    fast, ref = model_pair(tie_word_embeddings=tied, cpu_matmul=backend)
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (3, 20))
     logits, ref_logits = jax.jit(lambda m, i: m(i))(fast, ids), jax.jit(lambda m, i: m(i))(ref, ids)
     assert logits.dtype == jnp.float32
     assert rel_err(logits, ref_logits) < 2e-2
-    assert rel_err(logits, ref_logits) > 0  # bf16 rounding: the oneDNN path really ran
+    assert rel_err(logits, ref_logits) > 0  # bf16 rounding: the bf16 path really ran
 
 
 def pair_batch(B=4, T=16, seed=0):
@@ -87,9 +90,9 @@ def train(model, kind, batch, num_steps):
     return state, history
 
 
-@needs_onednn
-def test_gradients_of_a_pair_loss_track_float32():
-    fast, ref = model_pair()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_of_a_pair_loss_track_float32(backend):
+    fast, ref = model_pair(cpu_matmul=backend)
     batch = pair_batch()
     spec = steps.LossSpec("critic", beta=0.5, chunk_size=8)
 
@@ -104,10 +107,10 @@ def test_gradients_of_a_pair_loss_track_float32():
     assert cos > 0.99 and 0.95 < np.linalg.norm(flat) / np.linalg.norm(flat_ref) < 1.05
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["critic", "dpo", "sft"])
-def test_train_steps_track_float32(kind):
-    fast, ref = model_pair()
+def test_train_steps_track_float32(kind, backend):
+    fast, ref = model_pair(cpu_matmul=backend)
     batch = pair_batch()
     if kind == "sft":
         batch = {k: v[:, :1] for k, v in batch.items() if k != "ref_logp"}
@@ -118,9 +121,9 @@ def test_train_steps_track_float32(kind):
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float32  # master weights stay float32
 
 
-@needs_onednn
-def test_sampler_greedy_tokens_match_the_float32_sampler():
-    fast, ref = model_pair()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampler_greedy_tokens_match_the_float32_sampler(backend):
+    fast, ref = model_pair(cpu_matmul=backend)
     prompts = [list(np.random.default_rng(i).integers(3, CFG.vocab_size, 5 + i)) for i in range(8)]
     out = generate.Sampler(fast, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
     ref_out = generate.Sampler(ref, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
@@ -128,39 +131,55 @@ def test_sampler_greedy_tokens_match_the_float32_sampler():
     assert sum(same) >= 6, same  # bf16 rounding may flip a near-tie on a random tiny model
 
 
-def test_auto_falls_back_to_xla_with_one_log_line_when_the_kernel_cannot_be_built(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_matmul, "_compiler", lambda: None)
-    monkeypatch.setattr(cpu_matmul, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+@pytest.fixture
+def fresh_choice():
+    """bf16_backend decides once per process: forget it before and after a test that fakes the machine."""
+    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+    yield
+    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+
+
+def fake_machine(monkeypatch, flags, *, compiler=True):
+    monkeypatch.setattr(cpu_matmul, "cpu_bf16_flags", lambda: flags)
     monkeypatch.setattr(jax, "device_count", lambda: 1)
-    cpu_matmul._load.cache_clear(), cpu_matmul.use_onednn.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
-            assert cpu_matmul.use_onednn("auto") is False
-            assert cpu_matmul.use_onednn("auto") is False  # decided once per process
-        lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and "compiler" in lines[0] and "XLA" in lines[0], lines
-        with pytest.raises(cpu_matmul.CpuMatmulError, match="compiler"):
-            cpu_matmul.use_onednn("onednn")
-    finally:
-        cpu_matmul._load.cache_clear(), cpu_matmul.use_onednn.cache_clear()
+    if not compiler:
+        monkeypatch.setattr(cpu_matmul, "_compiler", lambda: None)
 
 
-def test_auto_keeps_xla_where_the_processor_has_no_bf16_units(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "cpu_bf16_flags", lambda: ())
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    cpu_matmul.use_onednn.cache_clear()
-    try:
-        assert "amx_bf16" in cpu_matmul.unavailable_reason(single_device=False)
-        fast, ref = model_pair(cpu_matmul="auto")
-        ids = np.arange(12).reshape(2, 6)
-        np.testing.assert_array_equal(fast(ids), ref(ids))  # today's float32 path, bit for bit
-    finally:
-        cpu_matmul.use_onednn.cache_clear()
+def test_auto_on_amx_without_a_compiler_uses_xla_bf16_and_says_why_in_one_line(monkeypatch, caplog, fresh_choice):
+    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"), compiler=False)
+    with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"  # decided once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "compiler" in lines[0], lines
+    with pytest.raises(cpu_matmul.CpuMatmulError, match="compiler"):
+        cpu_matmul.bf16_backend("onednn")
 
 
-def test_auto_keeps_xla_on_a_multi_device_process():
+@needs_onednn
+def test_auto_on_amx_uses_onednn(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"))
+    assert cpu_matmul.bf16_backend("auto") == "onednn"
+
+
+def test_auto_on_avx512_bf16_without_amx_uses_xla_bf16(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ("avx512_bf16",))
+    assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+
+
+def test_auto_keeps_today_s_float32_path_where_the_processor_has_no_bf16_units(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ())
+    assert cpu_matmul.bf16_backend("auto") is None
+    assert "amx_bf16" in cpu_matmul.unavailable_reason(single_device=False)
+    fast, ref = model_pair(cpu_matmul="auto")
+    ids = np.arange(12).reshape(2, 6)
+    np.testing.assert_array_equal(fast(ids), ref(ids))  # bit for bit
+
+
+def test_auto_keeps_today_s_path_on_a_multi_device_process(fresh_choice):
     assert jax.device_count() > 1  # tests/conftest.py: 8 host devices
-    assert cpu_matmul.use_onednn("auto") is False
+    assert cpu_matmul.bf16_backend("auto") is None
     assert "devices" in cpu_matmul.unavailable_reason()
 
 

@@ -1,19 +1,22 @@
-"""The model's projections as bfloat16 matmuls with float32 accumulation on the CPU's bf16 units, through oneDNN.
+"""The model's projections as bfloat16 matmuls with float32 accumulation on the CPU's bf16 units.
 
-XLA's CPU backend (jax 0.10) runs a bfloat16 dot no faster than a float32 one; oneDNN's matmul uses the
-processor's bf16 instructions (AMX tiles, else AVX512-BF16). `matmul(x, w)` is an XLA FFI custom call into
-oneDNN with a custom VJP: operands rounded to bfloat16, products accumulated and returned in float32, and the
-backward's dx = dy @ w^T and dw = x^T @ dy through the same kernel (dw in float32 for float32 master weights).
+XLA's CPU backend (jax 0.10) does not run a bfloat16 dot on AMX tiles; oneDNN's matmul does. On AVX512-BF16
+without AMX, XLA's bf16 dot measured as fast as oneDNN's (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to bfloat16 and accumulates and
+returns float32, with a custom VJP whose dx = dy @ w^T and dw = x^T @ dy run the same bf16 kernel (dy rounded
+too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (XLA's dot_general) and "onednn"
+(an XLA FFI custom call into oneDNN, cpu_matmul.cc).
 
-`model.cpu_matmul` (LlamaConfig.cpu_matmul) picks the path of every Dense projection:
-  "xla"     XLA's einsum in the compute dtype (today's path, the float32 reference);
-  "onednn"  this module; an error if it cannot run here;
-  "auto"    this module on a single CPU device whose processor has bf16 units (amx_bf16 or avx512_bf16) when
-            the kernel builds; otherwise XLA, with one log line saying why.
-The kernel (cpu_matmul.cc) is compiled at first use with the C++ compiler ($CXX, else g++ or c++) against
-oneDNN's headers and library (the onednn-devel-cpu-gomp wheel installs them under the environment's prefix;
-$ONEDNN_ROOT names another install) into $XDG_CACHE_HOME/sweet_jax/cpu_matmul (default ~/.cache), keyed by
-the source, jaxlib and oneDNN, so later processes only load it.
+`model.cpu_matmul` (LlamaConfig.cpu_matmul) picks the path of every Dense projection and the unembedding:
+  "xla"       XLA's einsum in the compute dtype (the float32 reference, and today's path);
+  "xla_bf16"  bf16 operands on XLA's dot;
+  "onednn"    bf16 operands on oneDNN; an error if its kernel cannot run here;
+  "auto"      on a single CPU device with bf16 units: onednn where the processor has AMX (xla_bf16 if the kernel
+              does not build), xla_bf16 with AVX512-BF16 only (as fast as oneDNN there, nothing to build);
+              otherwise (TPU, GPU, several devices, no bf16 units) xla. One log line says which and why.
+The oneDNN kernel is compiled at first use with the C++ compiler ($CXX, else g++ or c++) against oneDNN's
+headers and library (the onednn-devel-cpu-gomp wheel installs them under the environment's prefix; $ONEDNN_ROOT
+names another install) into $XDG_CACHE_HOME/sweet_jax/cpu_matmul (default ~/.cache), keyed by the source,
+jax and oneDNN, so later processes only load it.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "xla", "onednn")
+MODES = ("auto", "xla", "xla_bf16", "onednn")
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of the units oneDNN's bf16 matmul runs on
 _SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 _TARGET = "sweet_jax_bf16_matmul"
@@ -113,6 +116,9 @@ def _load() -> str | None:
         return "no C++ compiler (g++, c++ or $CXX) to build the oneDNN kernel"
     try:
         so = _build(compiler, root)
+        # GNU OpenMP threads that sleep when idle: spinning ones lose whole time slices on a shared, busy host
+        # (a [64, 576] x [576, 1536] product: ~7 -> ~190 GFLOP/s at load 8 on 2 cores). Read when libgomp loads.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         handler = ctypes.cdll.LoadLibrary(str(so)).SweetJaxBf16Matmul
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
@@ -121,7 +127,7 @@ def _load() -> str | None:
 
 
 def unavailable_reason(*, single_device: bool = True) -> str | None:
-    """Why the oneDNN path cannot run in this process (None: it can). single_device: also require that JAX sees
+    """Why the oneDNN kernel cannot run in this process (None: it can). single_device: also require that JAX sees
     one device (XLA would replicate the custom call's operands across a multi-device mesh)."""
     backend = jax.default_backend()
     if backend != "cpu":
@@ -134,69 +140,86 @@ def unavailable_reason(*, single_device: bool = True) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def use_onednn(mode: str) -> bool:
-    """Whether a projection under model.cpu_matmul=`mode` runs on oneDNN in this process; "auto" says once why
-    not, "onednn" raises CpuMatmulError."""
+def bf16_backend(mode: str) -> str | None:
+    """Which bfloat16 matmul the projections of a model.cpu_matmul=`mode` model run in this process: "onednn",
+    "xla_bf16", or None for today's XLA matmuls in the compute dtype. "auto" says why in one log line;
+    "onednn" raises CpuMatmulError where its kernel cannot run."""
     if mode not in MODES:
         raise CpuMatmulError(f"model.cpu_matmul={mode!r}: expected one of {MODES}")
-    if mode == "xla":
-        return False
-    reason = unavailable_reason(single_device=mode == "auto")
-    if reason is None:
-        log.info("model.cpu_matmul=%s: projections as bfloat16 matmuls on oneDNN (%s), float32 accumulation",
-                 mode, ", ".join(cpu_bf16_flags()))
-        return True
+    if mode in ("xla", "xla_bf16"):
+        return None if mode == "xla" else mode
     if mode == "onednn":
-        raise CpuMatmulError(f"model.cpu_matmul='onednn' cannot run here: {reason}; set it to 'auto' or 'xla'")
-    level = logging.WARNING if "oneDNN" in reason or "compiler" in reason else logging.INFO
-    log.log(level, "model.cpu_matmul=auto: XLA's matmuls in the compute dtype, because %s", reason)
-    return False
+        reason = unavailable_reason(single_device=False)
+        if reason is not None:
+            raise CpuMatmulError(f"model.cpu_matmul='onednn' cannot run here: {reason}; set it to 'auto' or 'xla'")
+        return "onednn"
+    flags = cpu_bf16_flags()
+    if jax.default_backend() != "cpu" or jax.device_count() != 1 or not flags:
+        why = (f"the JAX backend is {jax.default_backend()}" if jax.default_backend() != "cpu" else
+               f"JAX sees {jax.device_count()} devices" if jax.device_count() != 1 else
+               f"the processor has none of {', '.join(BF16_FLAGS)}")
+        log.info("model.cpu_matmul=auto: XLA's matmuls in the compute dtype (%s)", why)
+        return None
+    if "amx_bf16" in flags:  # AMX: XLA's own bf16 dot does not use the tiles, oneDNN does
+        reason = _load()
+        if reason is None:
+            log.info("model.cpu_matmul=auto: projections as bfloat16 matmuls on oneDNN (AMX), float32 accumulation")
+            return "onednn"
+        log.warning("model.cpu_matmul=auto: XLA's bfloat16 dot instead of oneDNN's AMX kernel, because %s", reason)
+        return "xla_bf16"
+    # AVX512-BF16 without AMX: XLA's bf16 dot runs at oneDNN's speed here (BENCHMARKS.md), with nothing to build.
+    log.info("model.cpu_matmul=auto: projections as XLA bfloat16 dots (%s), float32 accumulation", ", ".join(flags))
+    return "xla_bf16"
 
 
-def _call(a, b, *, transpose_a: bool = False, transpose_b: bool = False):
-    """float32 [M, N] = op(a) @ op(b) for 2-D bfloat16 a, b (op = transpose where asked)."""
+def _call(a, b, backend: str, *, transpose_a: bool = False, transpose_b: bool = False):
+    """float32 [M, N] = op(a) @ op(b) for 2-D bfloat16 a, b (op = transpose where asked) on `backend`."""
     M, K = a.shape[::-1] if transpose_a else a.shape
     N = b.shape[0] if transpose_b else b.shape[1]
+    if backend == "xla_bf16":
+        return jax.lax.dot_general(a, b, (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     if K == 0:
         return jnp.zeros((M, N), jnp.float32)
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")(
         a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul(x_MK, w_KN, x_dtype, w_dtype):
-    return _call(x_MK.astype(jnp.bfloat16), w_KN.astype(jnp.bfloat16))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul(x_MK, w_KN, backend, x_dtype, w_dtype):
+    return _call(x_MK.astype(jnp.bfloat16), w_KN.astype(jnp.bfloat16), backend)
 
 
-def _matmul_fwd(x_MK, w_KN, x_dtype, w_dtype):
+def _matmul_fwd(x_MK, w_KN, backend, x_dtype, w_dtype):
     x_bf, w_bf = x_MK.astype(jnp.bfloat16), w_KN.astype(jnp.bfloat16)
-    return _call(x_bf, w_bf), (x_bf, w_bf)  # bfloat16 residuals: half the memory of float32 ones
+    return _call(x_bf, w_bf, backend), (x_bf, w_bf)  # bfloat16 residuals: half the memory of float32 ones
 
 
-def _matmul_bwd(x_dtype, w_dtype, residuals, dy_MN):
+def _matmul_bwd(backend, x_dtype, w_dtype, residuals, dy_MN):
+    # dy in bfloat16 too: against a float32 cotangent XLA would upcast the operand and run a float32 matmul.
     x_bf, w_bf = residuals
     dy_bf = dy_MN.astype(jnp.bfloat16)
-    dx_MK = _call(dy_bf, w_bf, transpose_b=True)
-    dw_KN = _call(x_bf, dy_bf, transpose_a=True)
+    dx_MK = _call(dy_bf, w_bf, backend, transpose_b=True)
+    dw_KN = _call(x_bf, dy_bf, backend, transpose_a=True)
     return dx_MK.astype(x_dtype), dw_KN.astype(w_dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
-    """float32 [M, N] = bf16(x) @ bf16(w), accumulated in float32; differentiable (cotangents in x's and w's
-    dtypes). Needs the registered kernel: check use_onednn(...) first."""
-    if _load() is not None:
+def matmul(x_MK: jax.Array, w_KN: jax.Array, backend: str = "onednn") -> jax.Array:
+    """float32 [M, N] = bf16(x) @ bf16(w), accumulated in float32 on `backend` (a bf16_backend() answer);
+    differentiable, the cotangents in x's and w's dtypes."""
+    if backend == "onednn" and _load() is not None:
         raise CpuMatmulError(f"cpu_matmul.matmul: {_load()}")
-    return _matmul(x_MK, w_KN, jnp.dtype(x_MK.dtype).name, jnp.dtype(w_KN.dtype).name)
+    return _matmul(x_MK, w_KN, backend, jnp.dtype(x_MK.dtype).name, jnp.dtype(w_KN.dtype).name)
 
 
-def contract(x, kernel, contracted: int) -> jax.Array:
+def contract(x, kernel, contracted: int, backend: str) -> jax.Array:
     """float32 x @ kernel over x's trailing and the kernel's leading `contracted` axes (a Dense einsum such as
-    'BTNH,NHD->BTD'), flattened to one 2-D matmul."""
+    'BTNH,NHD->BTD'), flattened to one 2-D matmul on `backend`."""
     K = math.prod(kernel.shape[:contracted])
-    y_MN = matmul(x.reshape(-1, K), kernel.reshape(K, -1))
+    y_MN = matmul(x.reshape(-1, K), kernel.reshape(K, -1), backend)
     return y_MN.reshape(x.shape[:x.ndim - contracted] + kernel.shape[contracted:])
 
 
@@ -214,6 +237,6 @@ def unembedding(mode: str):
         _unembedding_mode.reset(token)
 
 
-def unembedding_on_onednn() -> bool:
-    """Whether the unembedding traced now runs on oneDNN (see `unembedding`)."""
-    return use_onednn(_unembedding_mode.get())
+def unembedding_backend() -> str | None:
+    """The bf16_backend of the unembedding traced now (see `unembedding`)."""
+    return bf16_backend(_unembedding_mode.get())

@@ -93,9 +93,10 @@ class LlamaConfig:
     # (jax.set_mesh) and ignored otherwise, e.g. (('data', 'fsdp'), 'tensor', None): sequence-parallel layer
     # inputs, so the ones remat saves take 1/tensor of the memory (XLA gathers T inside each layer).
     residual_sharding: tuple | None = None
-    # The Dense projections' matmuls on a CPU (models/cpu_matmul.py): "xla" (the compute dtype), "onednn"
-    # (bfloat16 operands, float32 accumulation, on the processor's AMX/AVX512-BF16 units), "auto" (onednn on a
-    # single CPU device that has them, else xla).
+    # The Dense projections' and the unembedding's matmuls (models/cpu_matmul.py): "xla" (the compute dtype),
+    # bfloat16 operands with float32 accumulation as "xla_bf16" (XLA's dot) or "onednn" (oneDNN's kernel, which
+    # uses AMX), "auto" (on a single CPU device with bf16 units: onednn with AMX, xla_bf16 with AVX512-BF16 only;
+    # else xla).
     cpu_matmul: str = "auto"
 
     def __post_init__(self):
@@ -381,8 +382,9 @@ class Dense(nnx.Module):
         axis. The same product; in the decode loop XLA:CPU otherwise copies the kernel into another axis order at
         every step, but in the training step the flat form costs TPU memory (+5.4 GiB of temps per chip on the
         v5p-8 8B policy step), so only the sampler's cached path asks for it."""
-        if self.contracted and cpu_matmul.use_onednn(self.matmul):  # the kernel cast to bf16 inside
-            y = cpu_matmul.contract(x, self.kernel[...], self.contracted).astype(self.dtype)
+        bf16 = self.contracted and cpu_matmul.bf16_backend(self.matmul)
+        if bf16:  # the kernel is cast to bfloat16 inside
+            y = cpu_matmul.contract(x, self.kernel[...], self.contracted, bf16).astype(self.dtype)
         elif not (flat_contraction and self.contracted > 1):
             kernel = self.kernel[...].astype(self.dtype)
             y = jnp.einsum(self.einsum_str, x, kernel)
@@ -493,7 +495,7 @@ class MLP(nnx.Module):
         dense = (self.gate_proj, self.up_proj, self.down_proj)
         if (self.gate_proj.bias is None and jnp.finfo(self.gate_proj.dtype).bits >= 32  # Llama: no MLP bias
                 and all(d.lora_a is None for d in dense)  # LoRA adapters: the plain formula below
-                and not cpu_matmul.use_onednn(self.gate_proj.matmul)):  # oneDNN: Dense's own kernel
+                and not cpu_matmul.bf16_backend(self.gate_proj.matmul)):  # bf16 matmuls: Dense's own
             return swiglu(x_BTD, *(d.kernel[...].astype(d.dtype) for d in dense))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
@@ -565,10 +567,11 @@ class Llama(nnx.Module):
         """Logits [B, T, V] float32."""
         hidden_BTD = self.hidden_states(input_ids, attention_mask, positions)
         dtype = self.config.dtype
-        if cpu_matmul.use_onednn(self.config.cpu_matmul):
+        bf16 = cpu_matmul.bf16_backend(self.config.cpu_matmul)
+        if bf16:
             unembed_DV = (self.embedder.embedding[...].T if self.config.tie_word_embeddings
                           else self.lm_head.kernel[...])
-            return cpu_matmul.contract(hidden_BTD, unembed_DV, 1)
+            return cpu_matmul.contract(hidden_BTD, unembed_DV, 1, bf16)
         if self.config.tie_word_embeddings:  # contract against [V, D] directly: no transpose
             return jnp.einsum("BTD,VD->BTV", hidden_BTD, self.embedder.embedding[...].astype(dtype),
                               preferred_element_type=jnp.float32)
