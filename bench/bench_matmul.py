@@ -34,7 +34,7 @@ def implementations():
     xla = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     impls = {
         "jax float32": ("jax", jnp.float32, xla),
-        "jax bfloat16 (XLA)": ("jax", jnp.bfloat16, xla),
+        "jax bfloat16 (XLA, = xla_bf16)": ("jax", jnp.bfloat16, xla),
         "torch float32": ("torch", torch.float32, torch.matmul),
         "torch bfloat16": ("torch", torch.bfloat16, torch.matmul),
     }

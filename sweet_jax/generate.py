@@ -216,7 +216,7 @@ def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
     """float32 logits of each row's last position: [B, V] (never [B, T, V]), from the unembedding or from its
     column blocks (`unembed_parts`, see _split_unembedding)."""
     parts = unembed_parts if unembed_parts is not None else [model.unembedding()]
-    bf16 = cpu_matmul.bf16_backend(model.config.cpu_matmul)
+    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
     if bf16:
         return jnp.concatenate([cpu_matmul.matmul(hidden_BTD[:, -1], u_DV, bf16) for u_DV in parts], axis=-1)
     h_BD = hidden_BTD[:, -1].astype(parts[0].dtype)
@@ -234,7 +234,7 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
     way made the 24M model's step slower: 9.1 -> 10.3-11.6 ms.)"""
     model = nnx.merge(graphdef, state)
     unembed_DV = model.unembedding()
-    bf16 = cpu_matmul.bf16_backend(model.config.cpu_matmul)
+    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
     if bf16 == "onednn":  # one block: oneDNN runs it on every core
         return [unembed_DV.astype(jnp.bfloat16)]
     if mesh is not None or jax.default_backend() != "cpu":
@@ -600,7 +600,7 @@ class Sampler:
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
         unembed_parts = self._unembed_fn(graphdef, state)
-        if cpu_matmul.bf16_backend(self.model.config.cpu_matmul):
+        if cpu_matmul.bf16_backend(self.model.config.matmul):
             state = _bf16_kernels(state)  # once per batch: each decode step reads half the bytes
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it

@@ -232,7 +232,7 @@ def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *
     Under a mesh the chunked backward keeps the unembedding's gradient sharded like the unembedding
     (unembed_grad_spec; losses.label_logprobs)."""
     model = nnx.merge(graphdef, params, rest)
-    with cpu_matmul.unembedding(model.config.cpu_matmul):
+    with cpu_matmul.unembedding(model.config.matmul):
         return _sequence_logprobs(model, input_ids_NT, attention_mask_NT, chunk_size=chunk_size,
                                   positions_NS=positions_NS, temperature=temperature)
 

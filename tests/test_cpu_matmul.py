@@ -193,3 +193,10 @@ def test_training_config_declares_the_field_and_passes_it_to_the_model():
     assert c.model.cpu_matmul == "auto"
     c.model.cpu_matmul = "xla"
     assert config_utils.model_overrides(c)["cpu_matmul"] == "xla"
+
+
+def test_auto_keeps_float32_for_models_too_narrow_for_bf16_to_pay():
+    narrow = dataclasses.replace(CFG, cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN // 2)
+    wide = dataclasses.replace(CFG, cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN)
+    assert narrow.matmul == "xla" and wide.matmul == "auto"
+    assert dataclasses.replace(narrow, cpu_matmul="onednn").matmul == "onednn"  # an explicit choice stands

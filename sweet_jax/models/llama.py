@@ -123,6 +123,11 @@ class LlamaConfig:
 
     # --- derived -------------------------------------------------------------------------------------------
     @property
+    def matmul(self) -> str:
+        """cpu_matmul as this model runs it: "auto" keeps XLA's float32 matmuls below cpu_matmul.AUTO_MIN_HIDDEN."""
+        return cpu_matmul.model_mode(self.cpu_matmul, self.hidden_size)
+
+    @property
     def rope_type(self) -> str:
         scaling = dict(self.rope_scaling or ())
         return scaling.get("rope_type", scaling.get("type", "default"))
@@ -322,7 +327,7 @@ class Dense(nnx.Module):
                  matmul: str = "xla"):
         self.einsum_str = einsum
         self.dtype = dtype
-        self.matmul = matmul  # LlamaConfig.cpu_matmul
+        self.matmul = matmul  # LlamaConfig.matmul
         self.kernel = _param(rngs, shape, axes, param_dtype, "normal")
         x_sub, rest = einsum.split(",")
         kernel_sub, out_sub = rest.split("->")
@@ -417,7 +422,7 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        kw = dict(bias=c.attention_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.cpu_matmul)
+        kw = dict(bias=c.attention_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.matmul)
         self.q_proj = Dense((D, N, H), ("embed", "heads", "head_dim"), einsum="BTD,DNH->BTNH", **kw)
         self.k_proj = Dense((D, K, H), ("embed", "kv_heads", "head_dim"), einsum="BTD,DKH->BTKH", **kw)
         self.v_proj = Dense((D, K, H), ("embed", "kv_heads", "head_dim"), einsum="BTD,DKH->BTKH", **kw)
@@ -483,7 +488,7 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         D, F = c.hidden_size, c.intermediate_size
-        kw = dict(bias=c.mlp_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.cpu_matmul)
+        kw = dict(bias=c.mlp_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.matmul)
         self.gate_proj = Dense((D, F), ("embed", "mlp"), einsum="BTD,DF->BTF", **kw)
         self.up_proj = Dense((D, F), ("embed", "mlp"), einsum="BTD,DF->BTF", **kw)
         self.down_proj = Dense((F, D), ("mlp", "embed"), einsum="BTF,FD->BTD", **kw)
@@ -567,7 +572,7 @@ class Llama(nnx.Module):
         """Logits [B, T, V] float32."""
         hidden_BTD = self.hidden_states(input_ids, attention_mask, positions)
         dtype = self.config.dtype
-        bf16 = cpu_matmul.bf16_backend(self.config.cpu_matmul)
+        bf16 = cpu_matmul.bf16_backend(self.config.matmul)
         if bf16:
             unembed_DV = (self.embedder.embedding[...].T if self.config.tie_word_embeddings
                           else self.lm_head.kernel[...])
