@@ -248,7 +248,7 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
 
 @jax.jit
 def _bf16_kernels(state):
-    """The state with every Dense kernel in bfloat16 (model.cpu_matmul on oneDNN rounds them so anyway)."""
+    """The state with every Dense kernel in bfloat16 (the bf16 matmuls of model.cpu_matmul round them anyway)."""
     def cast(path, x):
         names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         return x.astype(jnp.bfloat16) if "kernel" in names[-2:] and x.ndim >= 2 else x
