@@ -4,12 +4,15 @@
     python bench/bench_sampler.py --rows small             # only the 24M target row
     python bench/bench_sampler.py --rows 1b --dtype bfloat16 --skip-hf   # with jax[cuda] / jax[tpu]
     python bench/bench_sampler.py --model HF_DIR --batches 8,64   # a real checkpoint (SmolLM2-135M), chat prompts
+    python bench/bench_sampler.py --model HF_DIR --batches 8,64 --hf-dtype bfloat16   # against transformers in bf16
 
 --model HF_DIR: both sides run that checkpoint's weights (load_hf vs from_pretrained) on chat-templated prompts
 (its tokenizer; distinct short coding requests), greedy, --new-tokens new tokens with eos ignored, one row per
 batch size of --batches. Each side is its own process (its peak RSS is its own; the sweet_jax side's
 Sampler gets max_batch_size = the batch, as the pipeline sizes it), warmed up with one call, then the timed
-calls alternate (--repeats each, best reported).
+calls alternate (--repeats each, best reported). --cpu-matmul sets the sweet_jax side's model.cpu_matmul (auto:
+bf16 matmuls on oneDNN where the CPU has bf16 units, models/cpu_matmul.py); unless it is xla, a third process runs
+our float32 sampler (cpu_matmul=xla) and the table counts the rows whose greedy tokens equal it.
 
 Rows (--rows, comma-separated; `all` = every CPU row):
   demo      the demo pipeline's policy (configs/pipeline.py:demo: hidden 64, 2 layers, tied, vocab 4096),
@@ -207,10 +210,11 @@ def model_child(args) -> None:
     import numpy as np
     prompts = chat_prompts(args.model, args._batch)
     new = args.new_tokens
-    if args._child == "ours":
+    if args._child in ("ours", "ours_xla"):
         from sweet_jax.generate import Sampler
         from sweet_jax.models import load_hf
-        model = load_hf(args.model, dtype=args.dtype, config_overrides={"dtype": args.dtype,
+        matmul = args.cpu_matmul if args._child == "ours" else "xla"
+        model = load_hf(args.model, dtype=args.dtype, config_overrides={"dtype": args.dtype, "cpu_matmul": matmul,
                                                                          "attention_impl": args.attention_impl})
         sampler = Sampler(model, max_batch_size=args._batch)
 
@@ -222,7 +226,8 @@ def model_child(args) -> None:
         import transformers
         if args.torch_threads:
             torch.set_num_threads(args.torch_threads)
-        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+        hf = transformers.LlamaForCausalLM.from_pretrained(args.model,
+                                                           dtype=getattr(torch, args.hf_dtype or args.dtype)).eval()
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -258,9 +263,10 @@ def run_model(args) -> None:
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         procs = {}
-        for side in ("ours", "hf"):
+        for side in ("ours", "hf") + (("ours_xla",) if args.cpu_matmul != "xla" else ()):
             cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--new-tokens",
                    str(args.new_tokens), "--dtype", args.dtype, "--attention-impl", args.attention_impl,
+                   "--cpu-matmul", args.cpu_matmul, "--hf-dtype", args.hf_dtype or args.dtype,
                    "--torch-threads", str(args.torch_threads), "--_child", side, "--_batch", str(batch)]
             procs[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -293,13 +299,17 @@ def run_model(args) -> None:
                             first_diff=first_diff, ours_rss=final["ours"]["peak_rss"], hf_rss=final["hf"]["peak_rss"],
                             ours_load=sum(loads["ours"]) / len(loads["ours"]), hf_load=sum(loads["hf"]) / len(loads["hf"]),
                             first=(ready["ours"]["first"], ready["hf"]["first"]), prompt_mean=ready["ours"]["prompt_mean"]))
+        if "ours_xla" in final:
+            results[-1].update(f32=total / best["ours_xla"], same_f32=sum(
+                a == b for a, b in zip(final["ours"]["tokens"], final["ours_xla"]["tokens"])))
         print(f"  batch {batch}: ours {results[-1]['ours']:.0f} tok/s, transformers {results[-1]['hf']:.0f} tok/s",
               file=sys.stderr, flush=True)
 
     from sweet_jax.models import LlamaConfig
     from sweet_jax.models.hf import read_hf_config
     config = LlamaConfig.from_hf(read_hf_config(args.model))
-    print(f"\nSampler on {args.model} ({config.num_params() / 1e6:.1f}M params, {args.dtype}): sweet_jax Sampler vs "
+    print(f"\nSampler on {args.model} ({config.num_params() / 1e6:.1f}M params, {args.dtype}, model.cpu_matmul="
+          f"{args.cpu_matmul}; transformers in {args.hf_dtype or args.dtype}): sweet_jax Sampler vs "
           f"transformers {transformers.__version__} generate (torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads), greedy, {args.new_tokens} new tokens (eos ignored), chat-templated prompts, best of "
           f"{args.repeats} interleaved calls after a warm-up call each, each side its own process; host cores "
@@ -314,6 +324,10 @@ def run_model(args) -> None:
               f"({r['hf_load']:.1f}) | **{r['ours'] / r['hf']:.2f}x** | {r['same']}/{r['batch']} | "
               f"{r['ours_rss'] / 2**30:.2f} / {r['hf_rss'] / 2**30:.2f} | {floor_ms:.2f} | "
               f"{r['batch'] / r['ours'] * 1e3:.2f} |")
+    for r in results:
+        if "f32" in r:
+            print(f"batch {r['batch']}: our float32 sampler (cpu_matmul=xla) {r['f32']:.0f} tok/s; greedy rows equal "
+                  f"to it {r['same_f32']}/{r['batch']}; ratio to transformers {r['f32'] / r['hf']:.2f}x")
     for r in results:
         if r["first_diff"]:
             print(f"batch {r['batch']}: differing rows first differ at new-token positions {r['first_diff']}")
@@ -334,6 +348,9 @@ def main() -> None:
     parser.add_argument("--model", default="", help="an HF Llama checkpoint directory: rows on its weights")
     parser.add_argument("--batches", default="8,64", help="--model: batch sizes, one row each")
     parser.add_argument("--new-tokens", type=int, default=128, help="--model: new tokens per row")
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "xla_bf16", "onednn"],
+                        help="--model: the sweet_jax side's model.cpu_matmul")
+    parser.add_argument("--hf-dtype", default="", help="--model: the transformers side's dtype (default --dtype)")
     parser.add_argument("--_child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_batch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

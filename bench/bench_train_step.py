@@ -26,11 +26,13 @@ Variant specs are comma-separated key=value pairs:
          choice, steps.auto_micro_batch_size)
          block=128 (attention_block_size)  score=1|0 (1: log-probs at the action tokens only, the batch's
          score_pos as the trainer builds it with loss.score_positions, its default; 0: at every token)
-         xla_flags='--xla_...'
+         xla_flags='--xla_...'  matmul=auto|xla|xla_bf16|onednn (model.cpu_matmul: the projections as bfloat16 matmuls on
+         oneDNN, float32 accumulation and master weights; models/cpu_matmul.py)
   both:  malloc=tcmalloc|hugepages|system: the host allocator the child process starts with (sweet_jax.host_malloc;
          tcmalloc is what sweet_jax's command lines set up for themselves, so it is the sweet_jax side's default;
          the PyTorch side defaults to the system allocator, as the official code runs)
   torch: attn=sdpa|eager  adamw=fused|foreach|loop  threads=0 (0: torch's default, = cores)
+         autocast=none|bf16 (bf16: forward under torch.autocast("cpu", torch.bfloat16), float32 master weights)
          micro=auto|0|N (pairs per forward/backward, gradients accumulated; auto: the sweet_jax side's micro-batch,
          so both run the same shapes; 0: the whole batch at once)
          logp=gather|ce|scored (gather: log_softmax over [N, T, V] logits + gather, as the official SWEET-RL
@@ -51,8 +53,9 @@ import numpy as np
 
 GiB = 1024 ** 3
 JAX_DEFAULT = dict(attn="auto", remat="none", chunk="auto", micro="0", block="128", score="1", xla_flags="",
-                   malloc="tcmalloc")
-TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", micro="auto", malloc="system")
+                   malloc="tcmalloc", matmul="auto")
+TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", micro="auto", malloc="system",
+                     autocast="none")
 
 
 def parse_spec(text: str, defaults: dict) -> dict:
@@ -132,7 +135,7 @@ def prepare_jax(a, path, spec):
     from sweet_jax.models.attention import resolve_attention_impl
 
     model = load_hf(path, config_overrides=dict(attention_impl=spec["attn"], remat=spec["remat"],
-                                                attention_block_size=int(spec["block"])))
+                                                attention_block_size=int(spec["block"]), cpu_matmul=spec["matmul"]))
     optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     chunk = None if spec["chunk"] == "auto" else int(spec["chunk"])
@@ -210,11 +213,14 @@ def prepare_torch(a, path, spec):
             score = sum((delta * m[s]).sum(1) / m[s].sum(1).clamp(min=1) for m in turn_masks).reshape(-1, P)
         return -F.logsigmoid(0.1 * (score[:, 0] - score[:, 1])).sum() / B
 
+    autocast = {"none": None, "bf16": torch.bfloat16}[spec["autocast"]]
+
     def run():
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for start in range(0, B, micro):
-            loss = micro_loss(slice(start, start + micro))
+            with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+                loss = micro_loss(slice(start, start + micro))
             loss.backward()
             total += float(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -226,13 +232,18 @@ def prepare_torch(a, path, spec):
 
 
 def prepare_peak(a, path, spec, n=2048, reps=3):
-    """Each call: the best of `reps` 2048^3 float32 matmuls in JAX (same XLA flags as the jax side) and torch."""
+    """Each call: the best of `reps` 2048^3 float32 matmuls in JAX (same XLA flags as the jax side) and torch,
+    and bfloat16 ones (float32 accumulation) in torch and through sweet_jax's oneDNN kernel where it runs."""
     import jax
     import jax.numpy as jnp
     import torch
+    from sweet_jax.models import cpu_matmul
     x = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     t = torch.ones((n, n), dtype=torch.float32)
+    t16 = t.to(torch.bfloat16)
+    onednn = jax.jit(lambda x: cpu_matmul.matmul(x, x, "onednn")) if cpu_matmul.unavailable_reason() is None else None
+    x16 = x.astype(jnp.bfloat16)
 
     def best(fn):
         fn()
@@ -244,7 +255,11 @@ def prepare_peak(a, path, spec, n=2048, reps=3):
         return 2 * n ** 3 / min(times)
 
     def run():
-        return {"jax": best(lambda: f(x).block_until_ready()), "torch": best(lambda: t @ t)}
+        out = {"jax": best(lambda: f(x).block_until_ready()), "torch": best(lambda: t @ t),
+               "torch_bf16": best(lambda: t16 @ t16)}
+        if onednn is not None:
+            out["onednn_bf16"] = best(lambda: onednn(x16).block_until_ready())
+        return out
 
     return run, {}
 
@@ -391,13 +406,17 @@ def main():
         return scored_flops if s.spec.get("score") == "1" or s.spec.get("logp") == "scored" else flops
     print(f"{a.step} step, {ji['num_params'] / 1e6:.1f}M-param Llama (hidden {a.hidden}, {a.layers} layers, vocab "
           f"{a.vocab}{', weights of ' + a.model if a.model else ', random weights'}), {a.pairs} pairs x 2 x {a.seq} "
-          f"tokens (micro-batches of {jax_micro} pairs on the sweet_jax side), float32, CPU with {os.cpu_count()} cores "
+          f"tokens (micro-batches of {jax_micro} pairs on the sweet_jax side), float32 weights, CPU with {os.cpu_count()} cores "
           f"(torch threads {infos['torch']['threads']}); {a.steps} interleaved rounds after 1 warm-up step each")
     print(f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; {time.time() - t_start:.0f} s in all")
     print(f"float32 matmul peak (2048^3, best over rounds): jax {peak_jax / 1e9:.1f} GFLOP/s, torch "
           f"{peak_torch / 1e9:.1f} GFLOP/s -> peak {peak_flops / 1e9:.1f} GFLOP/s; model FLOPs per step "
           f"{flops / 1e9:.1f} G, {scored_flops / 1e9:.1f} G with the unembedding at the {scored_tokens} action tokens "
-          f"only (XLA's count of the compiled sweet_jax step: {ji['xla_flops'] / 1e9:.1f} G)\n")
+          f"only (XLA's count of the compiled sweet_jax step: {ji['xla_flops'] / 1e9:.1f} G)")
+    print("bfloat16 matmul peak (2048^3, float32 accumulation): torch "
+          f"{max(r['torch_bf16'] for r in peak.results) / 1e9:.1f} GFLOP/s, sweet_jax oneDNN "
+          + (f"{max(r['onednn_bf16'] for r in peak.results) / 1e9:.1f} GFLOP/s" if "onednn_bf16" in peak.results[0]
+             else "not available here") + "\n")
     print("| side | spec | step s (median) | tokens/s | peak RSS GiB | MFU vs measured peak | final loss |")
     print("|---|---|---|---|---|---|---|")
     for s in sides:
@@ -410,6 +429,11 @@ def main():
         print(f"| {s.name} | {spec} | {med:.3f} | {tokens / med:.0f} | {s.final['peak_rss'] / GiB:.2f} | "
               f"{100 * side_flops(s) / med / peak_flops:.1f}% | {s.results[-1]['loss']:.5g} |")
     per_round = [tt / jj for tt, jj in zip(t.times, j.times)]
+    for s in sides:
+        if s.kind != "peak" and s is not t:
+            ratios = [tt / ss for tt, ss in zip(t.times, s.times)]
+            print(f"{s.name} / torch tokens/s: {float(np.median(ratios)):.2f}x (per round "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)})")
     jmed = float(np.median(j.times))
     print(f"\nsweet_jax / torch tokens/s: {float(np.median(per_round)):.2f}x (median of per-round ratios "
           f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= {2.0 if a.model else 1.5}x); "

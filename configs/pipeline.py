@@ -86,6 +86,7 @@ def get_config(preset: str = "demo"):
     c.model.remat = "none"
     c.model.scan_layers = False       # training stages: stacked layers under jax.lax.scan (one layer compiled)
     c.model.attention_impl = "xla"
+    c.model.cpu_matmul = "auto"       # every stage's projections on the CPU: auto | xla | xla_bf16 | onednn
 
     c.init = ml_collections.ConfigDict()
     c.init.kind = "sft"               # sft (random init + SFT on scripted demonstrations) | path (an HF directory)

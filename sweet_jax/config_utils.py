@@ -30,6 +30,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"            # none | full | dots_saveable
     c.model.attention_impl = "auto"   # auto | xla | cudnn | chunked | blocked (see models/llama.py)
     c.model.attention_chunk_size = 512  # query rows per block of attention_impl="chunked"
+    c.model.cpu_matmul = "auto"       # auto | xla | xla_bf16 | onednn: projections as bf16 matmuls, float32
+    #                                   accumulation, on the CPU's AMX/AVX512-BF16 units (models/cpu_matmul.py)
     c.model.scan_layers = False       # stacked decoder layers under jax.lax.scan (one layer compiled, not 32/80)
     c.model.sequence_parallel = False  # residual stream between layers split over 'tensor' along tokens
 
@@ -329,7 +331,7 @@ def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | 
     m = config.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
-                scan_layers=bool(m.scan_layers),
+                scan_layers=bool(m.scan_layers), cpu_matmul=m.cpu_matmul,
                 # The residual stream's batch over ('data', 'fsdp') always: unconstrained, XLA may follow the
                 # FSDP-sharded embedding instead (the whole batch on every chip, the hidden size split).
                 residual_sharding=residual_sharding(sequence_parallel=bool(m.sequence_parallel)))

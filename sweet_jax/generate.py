@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models import cpu_matmul
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 
 
@@ -215,6 +216,9 @@ def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
     """float32 logits of each row's last position: [B, V] (never [B, T, V]), from the unembedding or from its
     column blocks (`unembed_parts`, see _split_unembedding)."""
     parts = unembed_parts if unembed_parts is not None else [model.unembedding()]
+    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
+    if bf16:
+        return jnp.concatenate([cpu_matmul.matmul(hidden_BTD[:, -1], u_DV, bf16) for u_DV in parts], axis=-1)
     h_BD = hidden_BTD[:, -1].astype(parts[0].dtype)
     logits = [jnp.dot(h_BD, u_DV, preferred_element_type=jnp.float32).astype(jnp.float32) for u_DV in parts]
     return logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=-1)
@@ -228,13 +232,27 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
     the blocks' dots run on all the cores at once. Also materialises a tied embedding's transpose once, not at
     every step. On a mesh or an accelerator it stays one array. (Cutting the decoder layers' kernels the same
     way made the 24M model's step slower: 9.1 -> 10.3-11.6 ms.)"""
-    unembed_DV = nnx.merge(graphdef, state).unembedding()
+    model = nnx.merge(graphdef, state)
+    unembed_DV = model.unembedding()
+    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
+    if bf16 == "onednn":  # one block: oneDNN runs it on every core
+        return [unembed_DV.astype(jnp.bfloat16)]
     if mesh is not None or jax.default_backend() != "cpu":
         return [unembed_DV]
+    unembed_DV = unembed_DV.astype(jnp.bfloat16) if bf16 else unembed_DV
     V = unembed_DV.shape[1]
     n = max(1, min(os.cpu_count() or 1, 8, V // 1024))
     bounds = [V * i // n for i in range(n + 1)]
     return [unembed_DV[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@jax.jit
+def _bf16_kernels(state):
+    """The state with every Dense kernel in bfloat16 (the bf16 matmuls of model.cpu_matmul round them anyway)."""
+    def cast(path, x):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        return x.astype(jnp.bfloat16) if "kernel" in names[-2:] and x.ndim >= 2 else x
+    return jax.tree_util.tree_map_with_path(cast, state)
 
 
 def _constrain_batch(tree, mesh, rows: int):
@@ -582,6 +600,8 @@ class Sampler:
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
         unembed_parts = self._unembed_fn(graphdef, state)
+        if cpu_matmul.bf16_backend(self.model.config.matmul):
+            state = _bf16_kernels(state)  # once per batch: each decode step reads half the bytes
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.

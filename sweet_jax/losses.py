@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models import cpu_matmul
 
 ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")
 NLL_SCOPES = ("reply", "sequence")
@@ -42,6 +43,9 @@ def token_logprobs_naive(logits_BTV: jax.Array, input_ids_BT: jax.Array) -> jax.
 
 
 def _chunk_logits(hidden_BCD, unembed_DV):
+    bf16 = cpu_matmul.unembedding_backend()
+    if bf16:  # bf16 operands, float32 logits (model.cpu_matmul)
+        return cpu_matmul.contract(hidden_BCD, unembed_DV, 1, bf16)
     acc_dtype = jnp.promote_types(hidden_BCD.dtype, jnp.float32)
     return jnp.einsum("bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=acc_dtype)
 

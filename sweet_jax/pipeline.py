@@ -255,6 +255,7 @@ def train_config(config, *, kind: str, stage, model_path: str, trajectories: str
     c.model.remat = config.model.remat
     c.model.scan_layers = config.model.scan_layers
     c.model.attention_impl = config.model.attention_impl
+    c.model.cpu_matmul = config.model.cpu_matmul
     c.data.tokenizer = tokenizer_dir(config)
     c.data.trajectories = trajectories
     c.data.pairs = pairs
@@ -679,8 +680,9 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
     dtype = c.model.dtype if c.model.dtype != "float32" else None
     kw = dict(info_template=c.rank.info_template, info_placement=c.rank.info_placement, use_info=use_info,
               batch_size=c.rank.score_batch_size, bucket=c.train.bucket, max_len=c.train.max_len * 2)
-    critic_logp = ranking.ReplyScorer(load_hf(critic_hf, dtype=dtype), tok, **kw)
-    reference_logp = ranking.ReplyScorer(load_hf(policy_hf, dtype=dtype), tok, **kw) \
+    matmul = {"cpu_matmul": c.model.cpu_matmul}
+    critic_logp = ranking.ReplyScorer(load_hf(critic_hf, dtype=dtype, config_overrides=matmul), tok, **kw)
+    reference_logp = ranking.ReplyScorer(load_hf(policy_hf, dtype=dtype, config_overrides=matmul), tok, **kw) \
         if c.rank.rank_reference == "ref_with_info" else None
     out = d / "pairs.jsonl"
     result = ranking.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sweet_jax import losses
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models import cpu_matmul
 
 POLICY_KINDS = ("dpo", "mtdpo", "sft", "rft")
 LOSS_SPEC_KINDS = ("critic", "dpo", "mtdpo", "sft")  # rft trains with the sft loss
@@ -231,6 +232,12 @@ def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *
     Under a mesh the chunked backward keeps the unembedding's gradient sharded like the unembedding
     (unembed_grad_spec; losses.label_logprobs)."""
     model = nnx.merge(graphdef, params, rest)
+    with cpu_matmul.unembedding(model.config.matmul):
+        return _sequence_logprobs(model, input_ids_NT, attention_mask_NT, chunk_size=chunk_size,
+                                  positions_NS=positions_NS, temperature=temperature)
+
+
+def _sequence_logprobs(model, input_ids_NT, attention_mask_NT, *, chunk_size, positions_NS, temperature):
     hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
     unembed = model.unembedding()
     if temperature != 1.0:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sweet_jax.models import cpu_matmul
 from sweet_jax.models.attention import (ATTENTION_IMPLS, KVCache, cache_slots, cached_attention, causal_mask,
                                         init_kv_cache, self_attention)
 
@@ -92,6 +93,11 @@ class LlamaConfig:
     # (jax.set_mesh) and ignored otherwise, e.g. (('data', 'fsdp'), 'tensor', None): sequence-parallel layer
     # inputs, so the ones remat saves take 1/tensor of the memory (XLA gathers T inside each layer).
     residual_sharding: tuple | None = None
+    # The Dense projections' and the unembedding's matmuls (models/cpu_matmul.py): "xla" (the compute dtype),
+    # bfloat16 operands with float32 accumulation as "xla_bf16" (XLA's dot) or "onednn" (oneDNN's kernel, which
+    # uses AMX), "auto" (on a single CPU device with bf16 units: onednn with AMX, xla_bf16 with AVX512-BF16 only;
+    # else xla).
+    cpu_matmul: str = "auto"
 
     def __post_init__(self):
         for field, limit in SIZE_LIMITS.items():
@@ -106,6 +112,8 @@ class LlamaConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if min(self.attention_chunk_size, self.attention_block_size) < 1:
             raise ValueError("attention_chunk_size and attention_block_size must be >= 1")
+        if self.cpu_matmul not in cpu_matmul.MODES:
+            raise ValueError(f"cpu_matmul={self.cpu_matmul!r}: expected one of {cpu_matmul.MODES}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if isinstance(self.eos_token_id, list):
@@ -114,6 +122,11 @@ class LlamaConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
 
     # --- derived -------------------------------------------------------------------------------------------
+    @property
+    def matmul(self) -> str:
+        """cpu_matmul as this model runs it: "auto" keeps XLA's float32 matmuls below cpu_matmul.AUTO_MIN_HIDDEN."""
+        return cpu_matmul.model_mode(self.cpu_matmul, self.hidden_size)
+
     @property
     def rope_type(self) -> str:
         scaling = dict(self.rope_scaling or ())
@@ -310,9 +323,11 @@ def _param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, init: str) -> nn
 class Dense(nnx.Module):
     """x @ kernel (+ bias), written as an einsum over named axes, e.g. 'BTD,DNH->BTNH'."""
 
-    def __init__(self, shape, axes, *, einsum: str, bias: bool, param_dtype, dtype, rngs: nnx.Rngs):
+    def __init__(self, shape, axes, *, einsum: str, bias: bool, param_dtype, dtype, rngs: nnx.Rngs,
+                 matmul: str = "xla"):
         self.einsum_str = einsum
         self.dtype = dtype
+        self.matmul = matmul  # LlamaConfig.matmul
         self.kernel = _param(rngs, shape, axes, param_dtype, "normal")
         x_sub, rest = einsum.split(",")
         kernel_sub, out_sub = rest.split("->")
@@ -372,10 +387,14 @@ class Dense(nnx.Module):
         axis. The same product; in the decode loop XLA:CPU otherwise copies the kernel into another axis order at
         every step, but in the training step the flat form costs TPU memory (+5.4 GiB of temps per chip on the
         v5p-8 8B policy step), so only the sampler's cached path asks for it."""
-        kernel = self.kernel[...].astype(self.dtype)
-        if not (flat_contraction and self.contracted > 1):
+        bf16 = self.contracted and cpu_matmul.bf16_backend(self.matmul)
+        if bf16:  # the kernel is cast to bfloat16 inside
+            y = cpu_matmul.contract(x, self.kernel[...], self.contracted, bf16).astype(self.dtype)
+        elif not (flat_contraction and self.contracted > 1):
+            kernel = self.kernel[...].astype(self.dtype)
             y = jnp.einsum(self.einsum_str, x, kernel)
         else:
+            kernel = self.kernel[...].astype(self.dtype)
             y = jnp.einsum(self.flat_einsum, x.reshape(x.shape[:-self.contracted] + (-1,)),
                            kernel.reshape((-1,) + kernel.shape[self.contracted:]))
         if self.bias is not None:
@@ -403,7 +422,7 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        kw = dict(bias=c.attention_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+        kw = dict(bias=c.attention_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.matmul)
         self.q_proj = Dense((D, N, H), ("embed", "heads", "head_dim"), einsum="BTD,DNH->BTNH", **kw)
         self.k_proj = Dense((D, K, H), ("embed", "kv_heads", "head_dim"), einsum="BTD,DKH->BTKH", **kw)
         self.v_proj = Dense((D, K, H), ("embed", "kv_heads", "head_dim"), einsum="BTD,DKH->BTKH", **kw)
@@ -469,7 +488,7 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         D, F = c.hidden_size, c.intermediate_size
-        kw = dict(bias=c.mlp_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+        kw = dict(bias=c.mlp_bias, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs, matmul=c.matmul)
         self.gate_proj = Dense((D, F), ("embed", "mlp"), einsum="BTD,DF->BTF", **kw)
         self.up_proj = Dense((D, F), ("embed", "mlp"), einsum="BTD,DF->BTF", **kw)
         self.down_proj = Dense((F, D), ("mlp", "embed"), einsum="BTF,FD->BTD", **kw)
@@ -480,7 +499,8 @@ class MLP(nnx.Module):
         # 16384 on v5p-8: 61.1 GiB of temps per chip, 79.0 with `swiglu`, which then no longer fits).
         dense = (self.gate_proj, self.up_proj, self.down_proj)
         if (self.gate_proj.bias is None and jnp.finfo(self.gate_proj.dtype).bits >= 32  # Llama: no MLP bias
-                and all(d.lora_a is None for d in dense)):  # LoRA adapters: the plain formula below
+                and all(d.lora_a is None for d in dense)  # LoRA adapters: the plain formula below
+                and not cpu_matmul.bf16_backend(self.gate_proj.matmul)):  # bf16 matmuls: Dense's own
             return swiglu(x_BTD, *(d.kernel[...].astype(d.dtype) for d in dense))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
@@ -552,6 +572,11 @@ class Llama(nnx.Module):
         """Logits [B, T, V] float32."""
         hidden_BTD = self.hidden_states(input_ids, attention_mask, positions)
         dtype = self.config.dtype
+        bf16 = cpu_matmul.bf16_backend(self.config.matmul)
+        if bf16:
+            unembed_DV = (self.embedder.embedding[...].T if self.config.tie_word_embeddings
+                          else self.lm_head.kernel[...])
+            return cpu_matmul.contract(hidden_BTD, unembed_DV, 1, bf16)
         if self.config.tie_word_embeddings:  # contract against [V, D] directly: no transpose
             return jnp.einsum("BTD,VD->BTV", hidden_BTD, self.embedder.embedding[...].astype(dtype),
                               preferred_element_type=jnp.float32)

@@ -1,0 +1,202 @@
+"""model.cpu_matmul: the projections as bfloat16 matmuls on oneDNN (models/cpu_matmul.py) track float32 at tiny
+size (forward, gradients, a train step, the sampler), and the fallback keeps today's XLA path."""
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sweet_jax import config_utils, generate, steps
+from sweet_jax.models import Llama, LlamaConfig, cpu_matmul
+
+CFG = LlamaConfig.preset("tiny", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, cpu_matmul="onednn")
+REASON = cpu_matmul.unavailable_reason(single_device=False)
+needs_onednn = pytest.mark.skipif(REASON is not None, reason=f"the oneDNN bf16 path cannot run here: {REASON}")
+
+
+def model_pair(seed=0, **overrides):
+    """The same weights as a oneDNN model and an XLA float32 one."""
+    fast = Llama(dataclasses.replace(CFG, **overrides), rngs=nnx.Rngs(seed))
+    ref = Llama(dataclasses.replace(CFG, **{**overrides, "cpu_matmul": "xla"}), rngs=nnx.Rngs(seed))
+    return fast, ref
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+BACKENDS = [pytest.param("xla_bf16"), pytest.param("onednn", marks=needs_onednn)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_equals_the_float32_product_of_bfloat16_rounded_operands(backend):
+    x = jax.random.normal(jax.random.key(0), (37, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 48))
+    y = jax.jit(cpu_matmul.matmul, static_argnums=2)(x, w, backend)
+    ref = x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
+    assert y.dtype == jnp.float32 and y.shape == (37, 48)
+    assert rel_err(y, ref) < 1e-5  # float32 accumulation: only the summation order differs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_gradients_are_the_transposed_products_in_the_operands_dtypes(backend):
+    x = jax.random.normal(jax.random.key(0), (20, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 24))
+    dy = jax.random.normal(jax.random.key(2), (20, 24))
+    _, vjp = jax.vjp(lambda x, w: cpu_matmul.matmul(x, w, backend), x, w)
+    dx, dw = vjp(dy)
+    bf = lambda a: np.asarray(a.astype(jnp.bfloat16), np.float32)  # noqa: E731
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert rel_err(dx, bf(dy) @ bf(w).T) < 1e-5
+    assert rel_err(dw, bf(x).T @ bf(dy)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_logits_track_float32(backend, tied):
+    fast, ref = model_pair(tie_word_embeddings=tied, cpu_matmul=backend)
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (3, 20))
+    logits, ref_logits = jax.jit(lambda m, i: m(i))(fast, ids), jax.jit(lambda m, i: m(i))(ref, ids)
+    assert logits.dtype == jnp.float32
+    assert rel_err(logits, ref_logits) < 2e-2
+    assert rel_err(logits, ref_logits) > 0  # bf16 rounding: the bf16 path really ran
+
+
+def pair_batch(B=4, T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, CFG.vocab_size, (B, 2, T)).astype(np.int32)
+    turns = np.zeros((B, 2, T), np.int32)
+    turns[:, :, 6:10], turns[:, :, 11:15] = 1, 2
+    return dict(input_ids=ids, attention_mask=np.ones((B, 2, T), np.int32), turn_ids=turns,
+                ref_logp=(-rng.uniform(1, 5, (B, 2, T))).astype(np.float32))
+
+
+def train(model, kind, batch, num_steps):
+    optimizer = optax.adamw(1e-3)
+    state = steps.create_train_state(model, optimizer)
+    loss = config_utils.base_config().loss
+    loss.update(kind=kind, beta=0.5)
+    step = steps.make_step(steps.loss_spec(loss, chunk_size=8), state, optimizer)
+    history = []
+    for _ in range(num_steps):
+        state, metrics = step(state, batch)
+        history.append(float(metrics["loss"]))
+    return state, history
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_of_a_pair_loss_track_float32(backend):
+    fast, ref = model_pair(cpu_matmul=backend)
+    batch = pair_batch()
+    spec = steps.LossSpec("critic", beta=0.5, chunk_size=8)
+
+    def grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return jax.jit(jax.grad(lambda p: steps.pair_loss(spec, graphdef, p, rest, batch, None, 4)[0]))(params)
+
+    g, g_ref = jax.tree.leaves(grads(fast)), jax.tree.leaves(grads(ref))
+    assert all(a.dtype == jnp.float32 for a in g)  # float32 master weights get float32 gradients
+    flat, flat_ref = np.concatenate([np.ravel(a) for a in g]), np.concatenate([np.ravel(a) for a in g_ref])
+    cos = flat @ flat_ref / np.linalg.norm(flat) / np.linalg.norm(flat_ref)
+    assert cos > 0.99 and 0.95 < np.linalg.norm(flat) / np.linalg.norm(flat_ref) < 1.05
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["critic", "dpo", "sft"])
+def test_train_steps_track_float32(kind, backend):
+    fast, ref = model_pair(cpu_matmul=backend)
+    batch = pair_batch()
+    if kind == "sft":
+        batch = {k: v[:, :1] for k, v in batch.items() if k != "ref_logp"}
+    state, history = train(fast, kind, batch, 5)
+    ref_state, ref_history = train(ref, kind, batch, 5)
+    assert history[-1] < history[0]
+    np.testing.assert_allclose(history, ref_history, rtol=2e-2, atol=2e-3)
+    assert jax.tree.leaves(state.params)[0].dtype == jnp.float32  # master weights stay float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampler_greedy_tokens_match_the_float32_sampler(backend):
+    fast, ref = model_pair(cpu_matmul=backend)
+    prompts = [list(np.random.default_rng(i).integers(3, CFG.vocab_size, 5 + i)) for i in range(8)]
+    out = generate.Sampler(fast, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
+    ref_out = generate.Sampler(ref, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
+    same = [list(a[0].token_ids) == list(b[0].token_ids) for a, b in zip(out, ref_out)]
+    assert sum(same) >= 6, same  # bf16 rounding may flip a near-tie on a random tiny model
+
+
+@pytest.fixture
+def fresh_choice():
+    """bf16_backend decides once per process: forget it before and after a test that fakes the machine."""
+    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+    yield
+    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+
+
+def fake_machine(monkeypatch, flags, *, compiler=True):
+    monkeypatch.setattr(cpu_matmul, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    if not compiler:
+        monkeypatch.setattr(cpu_matmul, "_compiler", lambda: None)
+
+
+def test_auto_on_amx_without_a_compiler_uses_xla_bf16_and_says_why_in_one_line(monkeypatch, caplog, fresh_choice):
+    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"), compiler=False)
+    with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"  # decided once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "compiler" in lines[0], lines
+    with pytest.raises(cpu_matmul.CpuMatmulError, match="compiler"):
+        cpu_matmul.bf16_backend("onednn")
+
+
+@needs_onednn
+def test_auto_on_amx_uses_onednn(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"))
+    assert cpu_matmul.bf16_backend("auto") == "onednn"
+
+
+def test_auto_on_avx512_bf16_without_amx_uses_xla_bf16(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ("avx512_bf16",))
+    assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+
+
+def test_auto_keeps_today_s_float32_path_where_the_processor_has_no_bf16_units(monkeypatch, fresh_choice):
+    fake_machine(monkeypatch, ())
+    assert cpu_matmul.bf16_backend("auto") is None
+    assert "amx_bf16" in cpu_matmul.unavailable_reason(single_device=False)
+    fast, ref = model_pair(cpu_matmul="auto")
+    ids = np.arange(12).reshape(2, 6)
+    np.testing.assert_array_equal(fast(ids), ref(ids))  # bit for bit
+
+
+def test_auto_keeps_today_s_path_on_a_multi_device_process(fresh_choice):
+    assert jax.device_count() > 1  # tests/conftest.py: 8 host devices
+    assert cpu_matmul.bf16_backend("auto") is None
+    assert "devices" in cpu_matmul.unavailable_reason()
+
+
+def test_unknown_mode_is_a_config_error():
+    with pytest.raises(ValueError, match="cpu_matmul='amx'"):
+        LlamaConfig.preset("tiny", cpu_matmul="amx")
+
+
+def test_training_config_declares_the_field_and_passes_it_to_the_model():
+    c = config_utils.base_config()
+    assert c.model.cpu_matmul == "auto"
+    c.model.cpu_matmul = "xla"
+    assert config_utils.model_overrides(c)["cpu_matmul"] == "xla"
+
+
+def test_auto_keeps_float32_for_models_too_narrow_for_bf16_to_pay():
+    narrow = dataclasses.replace(CFG, cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN // 2)
+    wide = dataclasses.replace(CFG, cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN)
+    assert narrow.matmul == "xla" and wide.matmul == "auto"
+    assert dataclasses.replace(narrow, cpu_matmul="onednn").matmul == "onednn"  # an explicit choice stands
