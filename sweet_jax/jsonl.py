@@ -25,6 +25,8 @@ import os
 import re
 from typing import Any, Iterable, Iterator
 
+from etils import epath
+
 from sweet_jax.errors import SweetJaxError
 
 SNIFF_BYTES = 8192
@@ -56,7 +58,6 @@ def replace_lone_surrogates(text: str) -> str:
 
 
 def _path(path):
-    from etils import epath
     return epath.Path(os.fspath(path))
 
 
@@ -231,4 +232,25 @@ def write(path, records: Iterable[Any]) -> None:
     except BaseException:
         if tmp.exists():
             tmp.unlink()
+        raise
+
+
+def write_atomic(path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it, fsynced and renamed over it: readers and a crash
+    see the old file or the new one, never half of one; a failed write (a full disk) leaves the old file."""
+    path = _path(path)
+    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    try:
+        if "://" in str(path):  # object stores: an upload is whole or absent
+            tmp.write_text(text)
+        else:
+            with open(os.fspath(tmp), "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if tmp.exists():
+                tmp.unlink()
         raise

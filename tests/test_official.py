@@ -275,7 +275,7 @@ def test_official_pairing_draws_with_replacement_across_halves_and_allows_ties()
 
 def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
     from sweet_jax import collect
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.data.loading import load_trajectories
     from sweet_jax.envs import ANSWER_MARKER, ScriptedSimulator
     from sweet_jax.envs.simulators import SimulatorError
 

@@ -39,7 +39,7 @@ def keys_of(path):
 
 
 def test_rollout_writes_official_trajectories_with_rewards(tmp_path):
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.data.loading import load_trajectories
 
     out = tmp_path / "traj.jsonl"
     tasks = make_tasks(5)
@@ -193,7 +193,7 @@ def rollout_cli(out, server_url, *extra):
 
 @pytest.mark.slow
 def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, simulator_server):
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.data.loading import load_trajectories
 
     out = tmp_path / "traj.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

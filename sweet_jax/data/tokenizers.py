@@ -13,6 +13,8 @@ import pathlib
 import tempfile
 from typing import Iterable, Iterator
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from sweet_jax.errors import SweetJaxError
 
 
@@ -220,7 +222,6 @@ def build_llama3_tokenizer(out_dir, texts: Iterable[str], *, vocab_size: int = 2
                            chat_template: str = LLAMA3_CHAT_TEMPLATE):
     """Train a Llama-3-style byte-level BPE tokenizer on `texts` and save it as a HF tokenizer directory."""
     import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

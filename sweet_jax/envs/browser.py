@@ -51,6 +51,7 @@ from PIL import Image
 
 from sweet_jax.data.frontend import MAX_PLACEHOLDER_SIDE, PLACEHOLDER_HOST, placeholder_url
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.sandbox.evaluator import _MemoryCgroups
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,6 @@ class Renderer:
         options.page_load_strategy = "normal"
         # Own session: a hung browser is killed with its whole process group. Its memory bound holds the whole
         # browser (a cgroup) or each of its processes (a data limit).
-        from sweet_jax.sandbox.evaluator import _MemoryCgroups
         preexec, self._release_memory_bound = memory_bound(self.memory_mb, _MemoryCgroups())
         service = Service(self.driver_path, log_output=os.devnull,
                           popen_kw={"start_new_session": True, "preexec_fn": preexec})

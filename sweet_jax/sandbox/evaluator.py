@@ -54,6 +54,8 @@ import threading
 import time
 import warnings
 
+import tqdm
+
 from sweet_jax.data.schema import task_field
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox import protocol
@@ -493,8 +495,6 @@ class Evaluator:
                           else None for job in jobs]
         bar = None
         if progress:
-            import tqdm
-
             bar = tqdm.tqdm(total=len(jobs), desc="sandbox", unit="eval")
         scores = []
         for job, future in zip(jobs, answer_futures):

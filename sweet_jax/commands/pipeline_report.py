@@ -8,7 +8,8 @@ DIR/results.png with mean +- standard deviation over the runs.
 from __future__ import annotations
 
 from sweet_jax import cli
-from sweet_jax.results import read_results, write_report
+from sweet_jax.commands import launch
+from sweet_jax.rl.results import read_results, write_report
 
 
 def main(argv=None) -> None:
@@ -24,5 +25,10 @@ def main(argv=None) -> None:
     print(f"wrote {md} and {png}")
 
 
+define_flags = None  # main parses its own argv (cli.ArgumentParser)
+
+
+HELP_CONFIGS = ()
+
 if __name__ == "__main__":
-    cli.run(main, allocator=False)
+    launch("pipeline_report")

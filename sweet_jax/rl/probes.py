@@ -16,15 +16,25 @@ measurements behind README "Why SWEET-RL loses or wins here". Each is exact (a f
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Sequence
 
+import ml_collections
 import numpy as np
 
-from sweet_jax import diagnostics, ranking
-from sweet_jax.data import synthetic
+from sweet_jax.rl import diagnostics, ranking
+from sweet_jax.envs import synthetic
 from sweet_jax.data.tokenizers import pad_id
 from sweet_jax.envs import ANSWER_MARKER
+from sweet_jax.data import render
+from sweet_jax.train.rundir import CHECKPOINT_DIR
+from sweet_jax.data.loading import load_trajectories
+from sweet_jax.data.pairs import trajectory_pairs
+from sweet_jax.data.tokenizers import load_tokenizer
+from sweet_jax.envs.prompts import AGENT_PROMPT
+from sweet_jax.models import load_hf
+from sweet_jax.train import rundir
 
 
 _SCORE_STEPS: dict = {}
@@ -58,7 +68,6 @@ def prefix_sequence(tokenizer, prompt: ranking.TurnPrompt, prefix: str, *, syste
 
 def reply_sequence(tokenizer, prompt: ranking.TurnPrompt, reply: str, *, system_prompt: str | None = None):
     """(ids, turn ids) of the prompt and a whole reply (its end-of-turn tokens included), as DPO scores it."""
-    from sweet_jax.data import render
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(prompt.messages)
     rendered = render.render_dialogue(tokenizer, messages + [{"role": "assistant", "content": reply}], info=None,
                                       label="last")
@@ -152,6 +161,57 @@ def load_states(prompts: Sequence[ranking.TurnPrompt], trajectories: Sequence[di
 
 
 def checkpoint_steps(train_dir: pathlib.Path) -> list[int]:
-    from sweet_jax.rundir import CHECKPOINT_DIR
     root = train_dir / CHECKPOINT_DIR
     return sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
+
+
+def run_probes(workdir: pathlib.Path) -> dict:
+    """sweet_jax.rl.probes over a pipeline run: the starting policy, each SWEET-RL run's kept checkpoints and
+    final policy, the other trained policies, and the critics."""
+    config = ml_collections.ConfigDict(json.loads((workdir / "pipeline_config.json").read_text()))
+    offline = workdir / "offline" / "trajectories.jsonl"
+    trajs = load_trajectories(offline)
+    records = [t.to_json() for t in trajs]
+    start_hf = json.loads((workdir / "init" / "done.json").read_text())["summary"]["policy_hf"]
+    tokenizer = load_tokenizer(start_hf)   # every model of a run reads the starting policy's tokenizer
+    start = load_hf(start_hf)
+    system = AGENT_PROMPT if config.agent_prompt else None
+
+    every = ranking.turn_prompts(trajs)
+    r = config.rank
+    ranked = every if not (workdir / "candidates" / "done.json").exists() else ranking.select_turn_prompts(
+        every, r.get("turn_selection", "sample"), max_prompts=r.max_prompts, data_fraction=r.get("data_fraction", 1.0),
+        seed=config.seed, tasks=[t["task"] for t in records])   # the ranked prompts, as the pipeline chose them
+    ranked_states = load_states(ranked, records)
+    ready = [p for p, st in zip(every, load_states(every, records)) if st["all_known"]]
+    ready_tasks = [records[p.trajectory_index]["task"] for p in ready]
+    out: dict = {"ranked_prompts": len(ranked), "offline_prompts_with_every_value_known": len(ready)}
+
+    def policy_probes(model) -> dict:
+        return {"answer_probability": answer_probability(model, tokenizer, ranked, ranked_states,
+                                                                system_prompt=system),
+                "answer_over_repeat": answer_over_repeat(model, start, tokenizer, ready, ready_tasks,
+                                                                beta=config.sweet.beta, system_prompt=system)}
+
+    out["starting policy"] = policy_probes(start)
+    other = None if system else AGENT_PROMPT
+    out["starting policy, agent prompt " + ("off" if system else "on")] = {
+        "answer_probability": answer_probability(start, tokenizer, ranked, ranked_states, system_prompt=other)}
+    for method in ("sweet", "sweet_no_info"):
+        train_dir = workdir / "policies" / method / "train"
+        for step in checkpoint_steps(train_dir):
+            model = rundir.restore_model(train_dir, step)[0]
+            out[f"{method} step {step}"] = policy_probes(model)
+    for method in ("rft", "mtdpo", "sweet", "sweet_no_info"):
+        hf = workdir / "policies" / method / "hf"
+        if hf.is_dir():
+            out[f"{method} (final)"] = policy_probes(load_hf(str(hf)))
+    index = {id(t): i for i, t in enumerate(trajs)}
+    pairs = [(index[id(p.chosen)], index[id(p.rejected)])
+             for p in trajectory_pairs(trajs, rule=config.collect.get("pair_rule", "best_success"))]
+    for name, use_info in (("critic", True), ("critic_no_info", False)):
+        if (workdir / name / "hf").is_dir():
+            out[name] = critic_turn_scores(load_hf(str(workdir / name / "hf")), start, tokenizer, trajs, pairs,
+                                                  use_info=use_info, info_template=config.rank.info_template,
+                                                  info_placement=config.rank.info_placement)
+    return out

@@ -24,8 +24,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sweet_jax import losses
+from sweet_jax.train import losses
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import sharding
+from sweet_jax.data import batching
 
 POLICY_KINDS = ("dpo", "mtdpo", "sft", "rft")
 LOSS_SPEC_KINDS = ("critic", "dpo", "mtdpo", "sft")  # rft trains with the sft loss
@@ -136,7 +138,6 @@ class TrainState:
 
 
 def _sharding_module():
-    from sweet_jax import sharding  # the models workstream's module; imported late to keep losses import-light
     return sharding
 
 
@@ -215,7 +216,6 @@ def shardings_of(tree):
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """Leading (example) dimension over ('data', 'fsdp'), the rest replicated; a prefix for any batch leaf."""
-    from sweet_jax import sharding
     return sharding.batch_sharding(mesh)
 
 
@@ -566,7 +566,6 @@ class HostLoopStep:
         """The batch (host arrays, [B, P, T] per token) as micro-batches of mb examples of similar length, each
         cut to its own length; score_pos recomputed for that length (collate's rule: T/2 positions if they hold
         every sequence's action tokens)."""
-        from sweet_jax.data import batching
         mask = batch["attention_mask"]
         B, P, T = mask.shape
         lengths_B = mask.sum(axis=-1).max(axis=-1)

@@ -25,8 +25,9 @@ import re
 from typing import Sequence
 
 from sweet_jax import jsonl
-from sweet_jax.data import synthetic
-from sweet_jax.data.schema import PolicyPair, load_records
+from sweet_jax.envs import synthetic
+from sweet_jax.data.loading import load_records
+from sweet_jax.data.schema import PolicyPair
 from sweet_jax.envs import ANSWER_MARKER
 
 TURN_COST = 0.01

@@ -13,7 +13,8 @@ import sys
 import time
 
 from sweet_jax import cli, jsonl
-from sweet_jax.data.schema import load_trajectories
+from sweet_jax.commands import launch
+from sweet_jax.data.loading import load_trajectories
 from sweet_jax.sandbox import Evaluator
 
 
@@ -91,5 +92,9 @@ def main(argv=None):
     return 0
 
 
+define_flags = None  # main parses its own argv (cli.ArgumentParser)
+
+HELP_CONFIGS = ()
+
 if __name__ == "__main__":
-    cli.run(main, allocator=False)
+    launch('evaluate')

@@ -3,7 +3,7 @@
 One config field picks it wherever the policy samples (`python -m sweet_jax.rollout`, `python -m sweet_jax.rank`,
 the pipeline's offline, candidates and eval stages): `policy.backend`
 
-  in_process   the policy's weights are loaded here and sampled with sweet_jax.generate.Sampler;
+  in_process   the policy's weights are loaded here and sampled with sweet_jax.sampling.generate.Sampler;
   openai       the policy is sampled by one or more engines (vLLM, SGLang, `python -m sweet_jax.serve`) through
                the completions API: the prompt goes as token ids, and each reply comes back as token ids with
                their log-probs (vLLM's `return_tokens_as_token_ids`: `logprobs.tokens` = "token_id:N"), so the
@@ -45,7 +45,17 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+import ml_collections
+import numpy as np
+import requests
+import urllib3
+from requests.utils import DEFAULT_CA_BUNDLE_PATH
+from tqdm import tqdm
+
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import http_bounds
+from sweet_jax.data.tokenizers import load_tokenizer
+from sweet_jax.sampling.generate import Sample, _mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +75,6 @@ class AnswerError(Exception):
 
 def openai_config():
     """The `policy.openai` block of the rollout, rank and pipeline configs (defaults)."""
-    import ml_collections
-
     c = ml_collections.ConfigDict()
     c.base_urls = ""              # comma-separated running engines, e.g. http://h1:8000/v1,http://h2:8000/v1
     c.command = ""                # or: start one per policy, e.g. "vllm serve {hf_dir} --port {port} ..."
@@ -134,8 +142,6 @@ class Engine:
         return self
 
     def wait_ready(self) -> None:
-        import requests
-
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -203,7 +209,6 @@ class OpenAISampler:
                  engine: Engine | None = None, seed: int = 0, vocab_size: int | None = None):
         import types
 
-        import numpy as np
 
         if not base_urls:
             raise PolicyBackendError("policy.openai: set base_urls (running engines) or command (an engine to "
@@ -231,8 +236,6 @@ class OpenAISampler:
     def _environment_settings(self) -> dict:
         """Each endpoint's proxies, CA bundle and client certificate from the environment (HTTP(S)_PROXY,
         NO_PROXY, REQUESTS_CA_BUNDLE, ...) as requests reads them, read once per endpoint."""
-        import requests
-
         with requests.Session() as session:
             return {url: session.merge_environment_settings(url, {}, None, None, None) for url in self.base_urls}
 
@@ -240,8 +243,6 @@ class OpenAISampler:
         """The endpoint's urllib3 connection pool (thread-safe, keep-alive, `concurrency` connections), through
         its proxy if the environment names one. Requests go straight through urllib3 (what requests
         wraps): requests' per-request preparation was ~40% of the client's CPU per request on a fast engine."""
-        import urllib3
-
         with self._lock:
             manager = self._managers.get(url)
             if manager is None:
@@ -253,7 +254,6 @@ class OpenAISampler:
                     if verify is False:
                         kw["cert_reqs"] = "CERT_NONE"
                     else:
-                        from requests.utils import DEFAULT_CA_BUNDLE_PATH
                         kw.update(cert_reqs="CERT_REQUIRED",
                                   ca_certs=verify if isinstance(verify, str) else DEFAULT_CA_BUNDLE_PATH)
                     if cert:
@@ -285,8 +285,6 @@ class OpenAISampler:
             manager.clear()
 
     def _first_model(self) -> str:
-        import urllib3
-
         errors = []
         for url in self.base_urls:
             try:
@@ -308,10 +306,6 @@ class OpenAISampler:
         round-robin and a retry goes to the next endpoint. Each attempt has timeout_s for the whole request (not
         per socket read) and a size cap from the request (http_bounds.answer_cap); its answer goes through
         `check`, and one that breaks the request (AnswerError) is retried like a timeout, never returned."""
-        import urllib3
-
-        from sweet_jax import http_bounds
-
         data = json.dumps(body).encode("utf-8")
         cap = http_bounds.answer_cap(body.get("max_tokens", 1), body.get("n", 1))
         last = ""
@@ -375,8 +369,6 @@ class OpenAISampler:
                  progress: bool = False) -> list[list[Any]]:
         """n samples of each prompt (token ids), as generate.Sampler.generate returns them; prompt j is one
         request with the seed the in-process sampler gives it."""
-        from sweet_jax.generate import _mix_seed
-
         if prompts and isinstance(prompts[0], (int, str)):
             raise PolicyBackendError("prompts must be a list of token-id lists")
         base_seed = seed if seed is not None else int(self._seeds.integers(2**31))
@@ -392,7 +384,6 @@ class OpenAISampler:
             bodies.append(body)
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=len(bodies), desc="generate (openai)", unit="prompt")
 
         def one(j):
@@ -412,8 +403,6 @@ class OpenAISampler:
 
     def _samples(self, response: dict, n: int, prompt_ids: list[int], max_tokens: int) -> list[Any]:
         """The n generate.Samples of one answer, each field checked against the request (AnswerError)."""
-        from sweet_jax.generate import Sample
-
         try:
             choices = sorted(response["choices"], key=lambda c: c.get("index", 0))
             out = []
@@ -514,7 +503,6 @@ def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
     if backend == "in_process":
         yield load_in_process()
         return
-    from sweet_jax.data.tokenizers import load_tokenizer
 
     eos, context = hf_eos_ids(hf_dir)
     tokenizer = load_tokenizer(tokenizer_dir)

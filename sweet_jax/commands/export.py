@@ -6,17 +6,19 @@
 Reads the run's resolved config (workdir/config.json) to rebuild the architecture, restores only the
 parameters from the Orbax checkpoint (latest readable one, or --step) straight onto a mesh over the local
 devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files
-(sweet_jax.rundir.export_run). A LoRA run (config lora.rank > 0) is exported as full weights with the adapters
+(sweet_jax.train.rundir.export_run). A LoRA run (config lora.rank > 0) is exported as full weights with the adapters
 merged in (models/lora.py merge), and with --peft_out also as a PEFT adapter (adapter_config.json +
 adapter_model.safetensors) for the base model.
 """
 from __future__ import annotations
 
-from sweet_jax import cli, rundir
+from absl import flags
+
+from sweet_jax.commands import launch
+from sweet_jax.train import rundir
 
 
 def main(argv):
-    from absl import flags
     del argv
     FLAGS = flags.FLAGS
     path = rundir.export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
@@ -25,8 +27,6 @@ def main(argv):
 
 
 def define_flags():
-    from absl import flags
-
     flags.DEFINE_string("workdir", None, "the training run directory (holds config.json and checkpoints/)")
     flags.DEFINE_string("out", None, "output Hugging Face checkpoint directory")
     flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest readable one)")
@@ -36,5 +36,7 @@ def define_flags():
     flags.mark_flags_as_required(["workdir", "out"])
 
 
+HELP_CONFIGS = ()
+
 if __name__ == "__main__":
-    cli.run(main, define_flags=define_flags)
+    launch("export")

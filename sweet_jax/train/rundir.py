@@ -30,7 +30,22 @@ import subprocess
 import sys
 from typing import Any
 
+import jax
+import ml_collections
+from etils import epath
+from flax import nnx
+
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import config_utils, jsonl, sharding
+from sweet_jax.jsonl import write_atomic
+from sweet_jax.config_utils import model_overrides
+from sweet_jax.data import demo
+from sweet_jax.data.tokenizers import check_vocab, end_of_turn_ids, load_tokenizer
+from sweet_jax.models import Llama, LlamaConfig, load_hf, lora, save_hf
+from sweet_jax.models.hf import read_hf_config
+from sweet_jax.models.lora import LoRAConfig, add_adapters
+from sweet_jax.sampling import generate
+from sweet_jax.train import checkpoint
 
 CONFIG_FILE = "config.json"
 CONFIG_TEXT = "config.txt"
@@ -48,29 +63,7 @@ class RunDirError(SweetJaxError):
 
 
 def _path(workdir):
-    from etils import epath
     return epath.Path(os.fspath(workdir))
-
-
-def write_atomic(path, text: str) -> None:
-    """`text` into `path` through a temporary file beside it, fsynced and renamed over it: readers and a crash
-    see the old file or the new one, never half of one; a failed write (a full disk) leaves the old file."""
-    path = _path(path)
-    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
-    try:
-        if "://" in str(path):  # object stores: an upload is whole or absent
-            tmp.write_text(text)
-        else:
-            with open(os.fspath(tmp), "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            if tmp.exists():
-                tmp.unlink()
-        raise
 
 
 # A model's files: a directory holding one is a model, not a training run (--workdir must not overwrite it).
@@ -143,8 +136,6 @@ def config_json(config) -> str:
 
 def read_config(workdir):
     """The resolved config of the training run in `workdir`."""
-    import ml_collections
-
     path = _path(workdir) / CONFIG_FILE
     if not path.exists():
         raise RunDirError(f"{path} does not exist: --workdir must be the directory of a training run")
@@ -168,7 +159,6 @@ def _new_field_at_its_default(field: str, old: Any, new: Any) -> bool:
     """A field that a run's saved config predates (e.g. lora.rank), at its default: not a change of the run."""
     if old is not None:
         return False
-    from sweet_jax import config_utils
     default: Any = json.loads(config_json(config_utils.base_config()))
     for key in field.split("."):
         if not isinstance(default, dict) or key not in default:
@@ -186,7 +176,7 @@ def record_output_config(config, output, *, produced: bool, accept_change: bool,
     changes = record_config(config, out.with_name(out.name + ".config.json"), produced=produced,
                             accept_change=accept_change, ignore=ignore, where=str(out))
     if changes and produced:
-        logging.getLogger("sweet_jax.rundir").warning(
+        logging.getLogger("sweet_jax.train.rundir").warning(
             "config changed on this rerun; the %s already in %s came from the old values, only the ones not made "
             "yet use the new ones: %s", what, out, "; ".join(f"{field}: {old!r} -> {new!r}"
                                                              for field, old, new in changes))
@@ -303,7 +293,6 @@ def package_versions() -> dict[str, str | None]:
 
 def provenance() -> dict:
     """Time, argv, git SHA, package versions and devices of this process."""
-    import jax
     devices = jax.devices()
     return {"time": _now(), "argv": list(getattr(sys, "orig_argv", sys.argv)), "git": git_revision(),
             "python": sys.version.split()[0], "packages": package_versions(),
@@ -319,7 +308,6 @@ def record_invocation(workdir, **extra) -> None:
 
 def append_record(path, record: dict) -> None:
     """One JSON line appended to a run's log (jsonl.append locally: whole records only; remote: rewritten)."""
-    from sweet_jax import jsonl
     if "://" in str(path):
         old = path.read_text() if path.exists() else ""
         path.write_text(old + ("" if not old or old.endswith("\n") else "\n") + json.dumps(record) + "\n")
@@ -332,7 +320,6 @@ def append_record(path, record: dict) -> None:
 # ==========================================================================================================
 
 def demo_paths():
-    from sweet_jax.data import demo
     return demo.paths()
 
 
@@ -352,7 +339,6 @@ def tokenizer_path(config) -> str:
 
 def initialize_distributed() -> bool:
     """sharding.initialize_distributed: jax.distributed when this is one process of several."""
-    from sweet_jax import sharding
     return sharding.initialize_distributed()
 
 
@@ -361,8 +347,6 @@ def make_mesh(shape, *, field: str = "config.mesh.shape"):
     (one device, no sharding). A shape the devices cannot fill is a one-line error naming `field`."""
     if not shape:
         return None
-    import jax
-    from sweet_jax import sharding
 
     shape = tuple(int(s) for s in shape)
     n = jax.device_count()
@@ -381,10 +365,6 @@ def make_mesh(shape, *, field: str = "config.mesh.shape"):
 def model_config(config, vocab_size: int, tokenizer=None):
     """The LlamaConfig of a training config: from model.path's config.json, or the named preset (demo: tiny,
     whose vocabulary and bos/eos come from the tokenizer so an exported demo model generates and stops)."""
-    from sweet_jax.config_utils import model_overrides
-    from sweet_jax.models import LlamaConfig
-    from sweet_jax.models.hf import read_hf_config
-
     overrides = model_overrides(config)
     if config.model.path:
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
@@ -397,7 +377,6 @@ def model_config(config, vocab_size: int, tokenizer=None):
 
 def demo_token_ids(tokenizer) -> dict:
     """bos/eos of the tiny demo model, from its tokenizer (eos: every end-of-turn token)."""
-    from sweet_jax.data.tokenizers import end_of_turn_ids
     eos = tuple(sorted(end_of_turn_ids(tokenizer)))
     return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
 
@@ -416,13 +395,6 @@ def is_training_run(path) -> bool:
 def build_model(config, llama_config, mesh):
     """The model to train, sharded on the mesh: HF weights from model.path, or a seeded random init; with
     config.lora.rank > 0, fresh LoRA adapters on it (models/lora.py: the base weights are then frozen)."""
-    import jax
-    from flax import nnx
-    from sweet_jax import sharding
-    from sweet_jax.config_utils import model_overrides
-    from sweet_jax.models import Llama, load_hf
-    from sweet_jax.models.lora import LoRAConfig, add_adapters
-
     def with_adapters(model):
         return add_adapters(model, LoRAConfig.from_config(config.get("lora")), seed=int(config.train.seed))
 
@@ -442,8 +414,6 @@ def build_model(config, llama_config, mesh):
 def lora_trainable(config):
     """What a run trains (steps.create_train_state's filter): nnx.LoRAParam, the adapters, when config.lora.rank
     > 0; else every nnx.Param."""
-    from flax import nnx
-    from sweet_jax.models.lora import LoRAConfig
     return nnx.LoRAParam if LoRAConfig.from_config(config.get("lora")).enabled else nnx.Param
 
 
@@ -452,12 +422,6 @@ def restore_model(workdir, step: int | None = None):
     the trained parameters, restored straight onto a mesh over the local devices. A LoRA run's checkpoints
     hold the adapters: the base is rebuilt as the run built it (model.path or the seeded demo init) and the
     model comes back with its adapters (models.lora.merge folds them in)."""
-    import jax
-    from flax import nnx
-    from sweet_jax import checkpoint, sharding
-    from sweet_jax.data.tokenizers import load_tokenizer
-    from sweet_jax.models import Llama
-
     workdir = pathlib.Path(workdir)
     config = read_config(workdir)
     tokenizer = load_tokenizer(tokenizer_path(config))
@@ -487,7 +451,6 @@ def export_run(workdir, out, *, step: int | None = None, dtype: str | None = Non
     with the run's tokenizer files: what transformers and vLLM load. A LoRA run is exported with its adapters
     merged in, and with peft_out also as a PEFT adapter for the base model."""
     import logging
-    from sweet_jax.models import lora, save_hf
 
     log = logging.getLogger("sweet_jax.export")
     model, got_step, config = restore_model(workdir, step)
@@ -507,7 +470,6 @@ def export_run(workdir, out, *, step: int | None = None, dtype: str | None = Non
 def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None, *, chat_template: bool = True):
     """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
     the training run's tokenizer, or the demo tokenizer for ''."""
-    from sweet_jax.data.tokenizers import load_tokenizer
     directory = tokenizer_dir(tokenizer, tokenizer_path(run_config) if run_config is not None else path)
     return load_tokenizer(directory, require_chat_template=chat_template)
 
@@ -516,10 +478,6 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
                what: str = "model"):
     """(model, the training run's config or None) for a model path (see the module docstring). `tokenizer`
     sizes the demo model's vocabulary ('' path) and is checked against the loaded one's."""
-    from flax import nnx
-    from sweet_jax.data.tokenizers import check_vocab
-    from sweet_jax.models import Llama, LlamaConfig, load_hf
-
     if not path:
         if tokenizer is None:
             tokenizer = load_tokenizer_for("")
@@ -531,7 +489,6 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
                           "(config.json + *.safetensors), a training run directory, or '' for the demo model")
     if is_hf_checkpoint(p):
         if tokenizer is not None:  # before reading the weights
-            from sweet_jax.models.hf import read_hf_config
             check_vocab(read_hf_config(p).get("vocab_size", 0), tokenizer, model=f"{what} {path}")
         return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
     if is_training_run(p):
@@ -551,10 +508,7 @@ def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None =
     swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
     compiled again (the pipeline samples from several policies of one architecture). Another architecture
     gets a new Sampler."""
-    from sweet_jax import generate
-
     if reuse is not None and is_hf_checkpoint(path):
-        from sweet_jax.models import load_hf
         try:
             reuse.set_params(load_hf(path, dtype=dtype or None), seed=seed)
             return reuse
@@ -565,6 +519,5 @@ def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None =
     tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)
     model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed)
     if run_config is not None and mesh is None:
-        from sweet_jax import sharding
         mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
     return generate.Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)

@@ -24,6 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jax.experimental import multihost_utils
+
 from sweet_jax.errors import SweetJaxError
 
 log = logging.getLogger(__name__)
@@ -168,7 +170,6 @@ class Checkpointer:
             except OSError as e:
                 log.warning("could not move the unreadable checkpoint %s aside: %s", src, e)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"quarantine_{step}")
         self._manager.reload()
 

@@ -29,10 +29,21 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tqdm import tqdm
+
 from sweet_jax.envs import (AGENT_PROMPT, NO_ANSWER, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
                             Simulator, SimulatorError, task_field, task_json)
 from sweet_jax import jsonl
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.data import demo, frontend as frontend_data, loading
+from sweet_jax.data.tokenizers import apply_chat_template
+from sweet_jax.envs.frontend import FRONTEND_AGENT_PROMPT, FrontendEnv, FrontendTrack
+from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
+from sweet_jax.envs.synthetic import simulator_reply
+from sweet_jax.sandbox import Evaluator
+from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
+from sweet_jax.sampling import policy_backend
+from sweet_jax.train import rundir
 
 log = logging.getLogger("sweet_jax.rollout")
 
@@ -70,7 +81,6 @@ class SamplerPolicy:
         messages = list(messages)
         if self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        from sweet_jax.data.tokenizers import apply_chat_template
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
 
     def act(self, dialogues: Sequence[Sequence[dict]]) -> list[PolicyReply]:
@@ -255,7 +265,6 @@ def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, bes
     total = len(tasks) * best_of
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=total, initial=total - len(todo), desc="rollout", unit="episode")
     failed = 0
     for start in range(0, len(todo), batch_size):
@@ -300,11 +309,9 @@ def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, bes
 # ----------------------------------------------------------------------------------------------------------
 
 def load_task_list(path: str, num_tasks: int, *, frontend: bool = False) -> list[Any]:
-    from sweet_jax.data import demo, frontend as frontend_data, schema
-
     if not path:
         path = str(demo.paths().frontend_tasks if frontend else demo.paths().tasks)
-    tasks = frontend_data.load_frontend_tasks(path) if frontend else schema.load_tasks(path)
+    tasks = frontend_data.load_frontend_tasks(path) if frontend else loading.load_tasks(path)
     if num_tasks and num_tasks > 0:
         tasks = tasks[:num_tasks]
     if not tasks:
@@ -321,8 +328,6 @@ def make_simulator(s, *, seed: int = 0, policy_sampler=None, load_sampler: Calla
       scripted, hidden_info   replies with the hidden information
       synthetic    the synthetic task family's scripted human (data/synthetic.simulator_reply)
     s.prompt_path: a template file over {problem_description} {hidden_information} {dialogue_history}."""
-    from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
-
     template = load_prompt(s.prompt_path, "simulator") if s.get("prompt_path") else SIMULATOR_PROMPT
     if s.kind == "openai":
         return OpenAISimulator(s.base_url, s.model, api_key=s.api_key, timeout_s=s.timeout_s,
@@ -336,7 +341,6 @@ def make_simulator(s, *, seed: int = 0, policy_sampler=None, load_sampler: Calla
     if s.kind in ("scripted", "hidden_info"):
         return ScriptedSimulator()
     if s.kind == "synthetic":
-        from sweet_jax.data.synthetic import simulator_reply
         return ScriptedSimulator(simulator_reply)
     raise RolloutError(f"{field}.kind={s.kind!r}: use openai (an OpenAI-compatible endpoint), model (a sweet_jax "
                        "model in this process), scripted / hidden_info (replies with the hidden information) or "
@@ -346,11 +350,101 @@ def make_simulator(s, *, seed: int = 0, policy_sampler=None, load_sampler: Calla
 def agent_prompt_for(config) -> str | None:
     """The agent's system prompt: agent_prompt_path's file when set, else the track's rules (or none)."""
     if config.get("agent_prompt_path"):
-        from sweet_jax.envs.prompts import load_prompt
         return load_prompt(config.agent_prompt_path, "agent")
     if not config.agent_prompt:
         return None
     if config.get("track", "backend") == "frontend":
-        from sweet_jax.envs.frontend import FRONTEND_AGENT_PROMPT
         return FRONTEND_AGENT_PROMPT
     return AGENT_PROMPT
+
+
+# Fields that change how fast the episodes come, not what they are: a rerun may change them freely.
+OPERATIONAL_FIELDS = ("progress", "output", "batch_size", "max_batch_size", "mesh", "sandbox.workers")
+
+
+def run(config, *, accept_config_change: bool = False) -> dict:
+    check_ranges(config, ROLLOUT_RANGES, RolloutError)
+    record_config(config, accept_config_change=accept_config_change)
+    frontend = config.get("track", "backend") == "frontend"
+    tasks = load_task_list(config.tasks, config.num_tasks, frontend=frontend)
+    if config.get("layout", "by_task") not in ("by_task", "official"):
+        raise RolloutError(f"layout={config.layout!r}: use by_task or official (the official block layout)")
+    mesh = rundir.make_mesh(config.mesh.shape)
+    p = config.policy
+    if p.backend == "openai" and config.simulator.kind == "model" and not config.simulator.path:
+        raise RolloutError("simulator.kind='model' with simulator.path='' plays the human with the policy's own "
+                           "in-process model; with policy.backend='openai' set simulator.path")
+    with policy_backend.policy_sampler(
+            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
+            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+        return play(config, tasks, sampler, mesh, frontend=frontend)
+
+
+def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
+    """The episodes of the config's tasks with the policy `sampler` (in-process or an engine)."""
+    policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
+                                   temperature=config.sampling.temperature, top_p=config.sampling.top_p,
+                                   top_k=config.sampling.top_k, system_prompt=agent_prompt_for(config),
+                                   seed=config.seed)
+    if frontend:  # browsers + CLIP score the answers, the simulator compares pages (sweet_jax.envs.frontend)
+
+        track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
+        try:
+            summary = rollout(tasks, policy, track.simulator, pathlib.Path(config.output),
+                                      best_of=config.best_of, batch_size=config.batch_size, max_turns=config.max_turns,
+                                      evaluator=track.scorer, progress=config.progress, make_env=FrontendEnv)
+        finally:
+            track.close()
+        return summary
+    simulator = make_simulator(
+        config.simulator, seed=config.seed, policy_sampler=sampler,
+        load_sampler=lambda: rundir.load_sampler(config.simulator.path, config.simulator.tokenizer,
+                                                 dtype=config.policy.dtype, seed=config.seed, mesh=mesh))
+    out = pathlib.Path(config.output)
+    evaluator = None
+    try:
+        if config.sandbox.enabled:
+            evaluator = Evaluator(workers=config.sandbox.workers or None, timeout_s=config.sandbox.timeout_s,
+                                  compat=config.sandbox.compat, degraded_ok=config.sandbox.degraded_ok)
+            evaluator.__enter__()
+        summary = rollout(tasks, policy, simulator, out, best_of=config.best_of,
+                                  batch_size=config.batch_size, max_turns=config.max_turns, evaluator=evaluator,
+                                  progress=config.progress)
+        if config.get("layout", "by_task") == "official":
+            write_official_layout(out, tasks, config.best_of)
+            summary = dict(summarize(read_records(out)), failed_episodes=summary["failed_episodes"])
+            summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
+    finally:
+        if evaluator is not None:
+            evaluator.__exit__(None, None, None)
+        simulator.close()
+    return summary
+
+
+def record_config(config, *, accept_config_change: bool = False) -> list:
+    """OUTPUT.config.json: the config that produced the episodes in OUTPUT (rundir.record_config's rule: a rerun
+    with another config is refused while OUTPUT holds episodes, unless accept_config_change records the change
+    in OUTPUT.config_changes.jsonl). Checked before any model loads: a refused run costs nothing."""
+    out = pathlib.Path(config.output)
+    produced = out.exists() and bool(read_records(out))
+    return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,
+                                       ignore=OPERATIONAL_FIELDS, what="episodes")
+
+
+def format_summary(summary: dict, out) -> str:
+    pct = lambda x: "n/a" if x is None else f"{x:.1f}%"
+    rate = summary["success_rate"]
+    turns = summary["turns_per_episode"]
+    failed = summary["failed_episodes"]
+    failures = failures_path(pathlib.Path(out))
+    # Name the failures file only where it exists: no failure in any run writes none.
+    where = f", see {failures.name}" if failures.exists() else ""
+    head = f"{out}: {summary['episodes']} episodes ({failed} failed this run{where})\n"
+    if summary.get("track") == "frontend":
+        cosine = summary.get("mean_reward")
+        return (head + f"  mean CLIP cosine  {'n/a' if cosine is None else f'{cosine:.4f}'}\n"
+                f"  turns per episode {'n/a' if turns is None else f'{turns:.2f}'}")
+    return (head + f"  success rate      {pct(None if rate is None else 100 * rate)}\n"
+            f"  tests passed      {pct(summary['tests_passed_pct'])}\n"
+            f"  turns per episode {'n/a' if turns is None else f'{turns:.2f}'}")

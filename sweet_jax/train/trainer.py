@@ -20,10 +20,20 @@ import time
 import ml_collections
 import numpy as np
 
-from sweet_jax import cli, host_malloc, rundir
+import jax
+from etils import epath
+from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
+
+from sweet_jax import cli, host_malloc
+from sweet_jax.train import rundir
 from sweet_jax.config_utils import TrainConfigError, check_config
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.rundir import CHECKPOINT_DIR
+from sweet_jax.train.rundir import CHECKPOINT_DIR
+from sweet_jax import sharding
+from sweet_jax.data.datasets import build_datasets
+from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
+from sweet_jax.train import checkpoint, metrics as metrics_lib, passes, steps
 
 log = logging.getLogger("sweet_jax.train")
 
@@ -59,7 +69,6 @@ def schedule_change(optim, saved_total: int | None, total: int, step: int) -> st
     """What resuming at `step` does to the learning rate when the run's length changed from saved_total (the
     checkpoint's) to total: the warm-up + cosine schedule is laid over the new length, so the lr jumps (a
     finished run extended restarts the decay). None when the length is the same."""
-    from sweet_jax import steps
     if not saved_total or saved_total == total:
         return None
     was = float(steps.make_schedule(optim.lr, saved_total, warmup_ratio=optim.warmup_ratio,
@@ -100,7 +109,6 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
                  "are there; pick another --workdir to train again)", workdir, finished.get("steps"))
         return finished
     rundir.initialize_distributed()
-    import jax
     with contextlib.ExitStack() as mesh_scope:
         if jax.process_index() == 0:  # one trainer per workdir; the processes of one run share it
             mesh_scope.enter_context(rundir.workdir_lock(workdir))
@@ -113,8 +121,6 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
 
 def training_mesh_shape(config) -> tuple:
     """config.mesh.shape, or a valid mesh for the batch when its batch shards do not split it (logged)."""
-    import jax
-    from sweet_jax import sharding
     shape = tuple(config.mesh.shape)
     try:
         chosen, why = sharding.choose_mesh_shape(shape, jax.device_count(), config.train.batch_size,
@@ -131,9 +137,6 @@ class Trainer:
     latest readable checkpoint), loop (steps, evals, saves, SIGTERM / Ctrl-C), finish (summary, curves)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir, mesh):
-        import jax
-        from etils import epath
-
         self.config, self.mesh = config, mesh
         self.workdir = epath.Path(workdir)
         self.is_main = jax.process_index() == 0
@@ -143,8 +146,6 @@ class Trainer:
     def setup(self, mesh_scope: contextlib.ExitStack, *, accept_config_change: bool = False) -> None:
         """The run recorded in the workdir; this host's data; the model, train state and steps; the reference
         log-probs attached to the data; then the training batches."""
-        from sweet_jax.data.tokenizers import load_tokenizer
-
         self.record_run(accept_config_change)
         tokenizer = load_tokenizer(rundir.tokenizer_path(self.config))
         train_set, eval_set = self.load_data(tokenizer)
@@ -154,8 +155,6 @@ class Trainer:
 
     def record_run(self, accept_config_change: bool) -> None:
         """Refuse batch sizes the mesh cannot split; write (or check) the workdir's config and this invocation."""
-        import jax
-
         config, mesh, workdir = self.config, self.mesh, self.workdir
         if self.is_main:
             workdir.mkdir(parents=True, exist_ok=True)
@@ -178,10 +177,6 @@ class Trainer:
     def load_data(self, tokenizer):
         """(train, eval) data.datasets.Dataset: this host renders only its slice; the batches are the same for any
         host count. Sets make_batches (a Dataset -> its BatchIterator on this host) and total_steps."""
-        from sweet_jax import passes, steps
-        from sweet_jax.data.datasets import build_datasets
-        from sweet_jax.data.tokenizers import pad_id
-
         config = self.config
         self.batch_sh = steps.batch_sharding(self.mesh)
         data_index, data_count = passes.data_shard(self.batch_sh, config.train.batch_size)
@@ -202,10 +197,6 @@ class Trainer:
 
     def build_steps(self, tokenizer, mesh_scope: contextlib.ExitStack) -> None:
         """The model, optimiser and train state on the mesh; the train and eval steps of the config's LossSpec."""
-        import jax
-        from sweet_jax import steps
-        from sweet_jax.data.tokenizers import check_vocab
-
         config, mesh = self.config, self.mesh
         self.llama_config = rundir.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
         check_vocab(self.llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
@@ -234,9 +225,6 @@ class Trainer:
     def attach_reference(self, train_set, eval_set):
         """The splits with the initial (= reference) parameters' log-probs attached (train.ref_logp=precompute),
         before any of their batches is built; or, for in_step, a frozen copy of the parameters (ref_params)."""
-        import jax
-        from sweet_jax import passes, steps
-
         self.ref_params = None
         if not self.spec.needs_ref:
             return train_set, eval_set
@@ -254,9 +242,6 @@ class Trainer:
     def resume(self) -> None:
         """The latest readable checkpoint's parameters, optimiser state, data position and RNG, if any; then the
         metrics log from that step on (local, mirrored into a remote workdir at saves and at the end)."""
-        import jax
-        from sweet_jax import checkpoint, metrics as metrics_lib
-
         workdir = self.workdir
         self.ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=self.config.train.keep_ckpts)
         self.rng = jax.random.key(self.config.train.seed)
@@ -295,7 +280,6 @@ class Trainer:
             [jax.numpy.all(jax.numpy.isfinite(x)) for x in jax.tree.leaves(tree)])))
 
     def save(self, at_step: int, *, wait: bool = False) -> None:
-        import jax
         if not bool(self.all_finite(self.state.params)):  # a finite loss can hide inf/NaN weights: never save those
             self.ckpt.wait()
             good = self.ckpt.latest_step()
@@ -316,7 +300,6 @@ class Trainer:
                     dst.write_bytes(f.read_bytes())
 
     def run_eval(self, at_step: int) -> None:
-        from sweet_jax import passes
         if self.eval_set.num_examples:
             eval_step = functools.partial(self.eval_step, self.state.rest)  # the current rest: the step donates
             self.last_eval = passes.rename_metrics(passes.evaluate(eval_step, self.state.params, self.eval_set,
@@ -328,8 +311,6 @@ class Trainer:
     def loop(self) -> None:
         """Train to total_steps: a metrics line per step, evals and saves as configured; SIGTERM (TPU preemption)
         or Ctrl-C finishes the step, saves it and raises Preempted."""
-        from tqdm.auto import tqdm
-
         config = self.config
         self.history: list[dict] = []
         self.last_eval: dict = {}
@@ -371,8 +352,6 @@ class Trainer:
 
     def train_one_step(self) -> dict:
         """One optimiser step on the next batch; its metrics (throughput and MFU added)."""
-        import jax
-        from sweet_jax import passes
         host_batch = next(self.batches)
         batch = passes.to_global(host_batch, self.batch_sh)
         self.rng, _ = jax.random.split(self.rng)
@@ -398,8 +377,6 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------
     def finish(self) -> dict:
         """summary.json and curves.png; the summary."""
-        from sweet_jax import metrics as metrics_lib
-
         summary = {"steps": self.step, "total_steps": self.total_steps, "train_examples": self.train_set.num_examples,
                    "eval_examples": self.eval_set.num_examples, "eval": self.last_eval, "peak_flops": self.peak_flops,
                    "peak": self.peak_desc}
@@ -425,7 +402,6 @@ class _StopSignals:
     catches SIGTERM itself). A second Ctrl-C stops at once, without the save."""
 
     def __init__(self):
-        import jax
         self.received: list[int] = []
         self.previous = {}
         self.multi = jax.process_count() > 1
@@ -444,7 +420,6 @@ class _StopSignals:
 
     def requested(self, at_step: int) -> bool:
         if self.multi:
-            from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(at_step)
         return bool(self.received)
 

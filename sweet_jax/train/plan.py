@@ -1,24 +1,6 @@
-r"""Will this training step fit on that TPU slice? Compile it ahead of time and read the per-chip memory.
-
-    python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16
-    python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology local   # this host's GPU(s)
-    python -m sweet_jax.plan --config configs/critic.py:llama3_8b --topology v5e-16 --fit --estimate
-    python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.data.max_len=16384 --topology v5p-8
-    python -m sweet_jax.plan --config configs/policy.py:llama3_8b --config.model.preset=llama3_70b \
-        --config.data.max_len=16384 --topology v5p-64 --config.mesh.shape='(1,8,4)' \
-        --config.train.micro_batch_size=8 --config.model.scan_layers=True --config.model.sequence_parallel=True
-
-Layout switches read from config.model (see configs/policy.py): scan_layers (stacked layers under jax.lax.scan:
-one layer compiled, so 8B/70B compile in minutes; XLA then keeps more float32 copies of the stacked gradients),
-sequence_parallel (the residual stream between layers split over 'tensor' along tokens), attention_chunk_size.
-
-No TPU needed: `jax.experimental.topologies` describes the slice and libtpu compiles for it on this host.
-`--topology local` compiles for the devices attached to this host instead (e.g. one GPU under jax[cuda]) and
-compares with the memory XLA may use on each (its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of the card).
-The story: config -> model shapes -> topology -> mesh -> sharded abstract state and batch -> lower ->
-compile -> memory / FLOPs report. Exit status 1 when the step does not fit the chip's HBM, 2 on bad input.
---fit compiles the layouts of `fit_layouts` cheapest first (FIT_COSTS) and prints the first that fits, with the
-train and plan commands that use it (exit 1 when none of the first --fit_max_tries does).
+"""Will a training step fit on a TPU slice? The step compiled ahead of time for a topology (jax.experimental
+.topologies; no TPU needed) and its per-chip memory and FLOPs read from the compiled program; the search over memory
+layouts (fit_layouts, cheapest first). The command line: sweet_jax.commands.plan (`python -m sweet_jax.plan`).
 """
 from __future__ import annotations
 
@@ -29,7 +11,22 @@ import pathlib
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.experimental import topologies
+
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import sharding
+from sweet_jax.config_utils import model_overrides
+from sweet_jax.models import Llama, LlamaConfig
+from sweet_jax.models.attention import resolve_attention_impl
+from sweet_jax.models.hf import read_hf_config
+from sweet_jax.models.llama import PRESETS
+from sweet_jax.models.lora import LoRAConfig, add_adapters
+from sweet_jax.train import steps
 
 GiB = 1024 ** 3
 LOCAL = "local"   # --topology local: compile for the devices attached to this host (e.g. a GPU)
@@ -107,7 +104,6 @@ def parse_topology(text: str) -> Topology:
 
 def local_topology() -> Topology:
     """The devices JAX sees on this host, with the memory XLA may use on each (the host's RAM on a CPU)."""
-    import jax
     devices = jax.local_devices()
     stats = devices[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -117,7 +113,6 @@ def local_topology() -> Topology:
 def topology_devices(topology: Topology):
     """Abstract TPU devices of the slice (needs libtpu; no TPU attached), or this host's devices for LOCAL."""
     if topology.chip == LOCAL:
-        import jax
         return jax.local_devices()
     # Several processes on one host may load libtpu; we only compile, so its lock file is not needed.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -126,7 +121,6 @@ def topology_devices(topology: Topology):
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.slice_name.replace("v5e-", "v5litepod-"))
-    from jax.experimental import topologies
     kwargs = {"chip_config_name": "megacore"} if CHIPS[topology.chip]["cores_per_chip"] == 2 else {}
     try:
         return topologies.get_topology_desc(topology.name, "tpu", **kwargs).devices
@@ -141,19 +135,15 @@ def topology_devices(topology: Topology):
 
 def llama_config(config, *, for_tpu: bool = True):
     """The LlamaConfig the run would train: model.path's config.json if there, else model.preset."""
-    from sweet_jax.models import LlamaConfig
     # The compile targets a TPU from a CPU host, where "auto" would resolve for the CPU: resolve it for the TPU
     # here (chunked past 2048 tokens, as the model does on a TPU); cuDNN is GPU only. For this host's own
     # devices (LOCAL) the model resolves it as it will when training.
     impl = config.model.attention_impl
     if for_tpu and impl in ("auto", "cudnn", "blocked"):
         impl = "chunked" if config.data.max_len > 2048 else "xla"
-    from sweet_jax.config_utils import model_overrides
     overrides = model_overrides(config, attention_impl=impl)
     if config.model.path and (pathlib.Path(config.model.path) / "config.json").is_file():
-        from sweet_jax.models.hf import read_hf_config
         return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
-    from sweet_jax.models.llama import PRESETS
     if config.model.preset not in PRESETS:
         raise PlanError(f"config.model.preset={config.model.preset!r} is not a model preset: use one of "
                         f"{', '.join(PRESETS)}.")
@@ -219,14 +209,6 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     """AOT-compile the configured train step for the topology and read its per-chip memory and FLOPs.
 
     num_layers overrides the model's depth (used by `extrapolated_plan`)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from sweet_jax import sharding, steps
-    from sweet_jax.models import Llama
-    from sweet_jax.models.lora import LoRAConfig, add_adapters
-
     # Shapes
     kind = step_kind(config)
     mcfg = llama_config(config, for_tpu=topology.chip != LOCAL)
@@ -263,7 +245,6 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         batch["ref_logp"] = sds((B, P, T), jnp.float32)
 
     # Lower and compile
-    from sweet_jax.models.attention import resolve_attention_impl
     attention = resolve_attention_impl(mcfg, T)
     step = steps.make_step(steps.loss_spec(config.loss), state, optimizer, mesh, micro_batch_size=micro,
                            ref_in_step=ref_in_step, lr_schedule=lr_schedule, host_loop=False)
@@ -318,7 +299,6 @@ def _parse_out_of_memory(message: str) -> int | None:
 
 
 def _shard_bytes(x) -> int:
-    import numpy as np
     shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
     return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
 
@@ -447,7 +427,6 @@ def fit_layouts(config, topology: Topology) -> list[Layout]:
 
 def with_overrides(config, overrides):
     """A copy of the (locked) config with `overrides` ((dotted field, value), ...) set."""
-    import ml_collections
     out = ml_collections.ConfigDict(config.to_dict())
     for field, value in overrides:
         *sections, name = field.split(".")
@@ -482,92 +461,4 @@ def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
 
 
-def user_config_args(argv) -> list[str]:
-    """The --config FILE:PRESET and --config.FIELD=VALUE arguments of a command line (both spellings joined)."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" and i + 1 < len(argv):
-            out.append(f"--config={argv[i + 1]}")
-            i += 1
-        elif arg.startswith("--config=") or arg.startswith("--config."):
-            out.append(arg)
-        i += 1
-    return out
-
-
-def fit_commands(argv, layout: Layout, topology_text: str) -> tuple[str, str]:
-    """(the train command, the plan command that checks it) with the user's config arguments and the layout's
-    overrides (which replace the user's own values of those fields)."""
-    fields = {f"--config.{field}" for field, _ in layout.overrides}
-    args = [a for a in user_config_args(argv) if a.split("=", 1)[0] not in fields] + layout.flags
-    shown = " ".join(args)
-    return (f"python -m sweet_jax.train {shown} --workdir WORKDIR",
-            f"python -m sweet_jax.plan {shown} --topology {topology_text}")
-
-
 # ------------------------------------------------------------------------------------------------------
-# Entry point
-
-
-def main(argv):
-    from absl import flags
-    del argv
-    FLAGS = flags.FLAGS
-    import jax
-    # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
-    # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
-    jax.config.update("jax_enable_compilation_cache", False)
-    topology = parse_topology(FLAGS.topology)
-    if FLAGS.fit:
-        return main_fit(FLAGS, topology)
-    plan = extrapolated_plan(FLAGS.config, topology) if FLAGS.estimate else make_plan(FLAGS.config, topology)
-    print(report(plan))
-    return 0 if plan.fits else 1
-
-
-def main_fit(FLAGS, topology: Topology) -> int:
-    """--fit: the cheapest layout that fits, its report and the exact commands; exit 1 when none does."""
-    argv = sys.argv[1:]
-    budget = int(FLAGS.hbm_gib * GiB) if FLAGS.hbm_gib else None
-    layout, result, tried = fit(FLAGS.config, topology, estimate=FLAGS.estimate, max_tries=FLAGS.fit_max_tries,
-                                budget_bytes=budget, log=lambda line: print(line, flush=True))
-    if layout is None:
-        print(f"no layout of the first {len(tried)} fits {topology.slice_name}"
-              f"{'' if budget is None else f' within {FLAGS.hbm_gib} GiB a chip'}; the closest: "
-              f"{min(tried, key=lambda t: t[1].total_bytes)[0].describe()}. Try a larger slice, a shorter "
-              "--config.data.max_len, LoRA (--config.lora.rank=16), or --fit_max_tries")
-        return 1
-    print(report(result))
-    train, check = fit_commands(argv, layout, FLAGS.topology)
-    print(f"\nthe cheapest layout that fits: {layout.describe()}\n  train: {train}\n  check: {check}")
-    return 0
-
-
-def define_flags():
-    from absl import flags
-    from ml_collections import config_flags
-    config_flags.DEFINE_config_file("config", None, "a training config with preset: configs/critic.py:llama3_8b",
-                                    lock_config=True)
-    flags.DEFINE_string("topology", None, "TPU slice: v5e-16, v4-8, v5p-8, v6e-8, or a grid like v5e:4x4; or "
-                        "'local': the devices attached to this host (e.g. a GPU)")
-    flags.DEFINE_bool("estimate", False, "compile 2- and 4-layer versions and extrapolate linearly to the real "
-                      "depth (fast; the default compiles the full model)")
-    flags.DEFINE_bool("fit", False, "search the memory options (scan_layers, bf16 moments, remat, micro-batches, "
-                      "sequence parallelism over a tensor axis, offloaded optimiser state) cheapest first and print "
-                      "the cheapest layout that fits, with the exact command")
-    flags.DEFINE_integer("fit_max_tries", 24, "--fit: compile at most this many layouts")
-    flags.DEFINE_float("hbm_gib", 0.0, "--fit: the memory a chip may use, in GiB (default: the chip's HBM; less "
-                       "leaves headroom)")
-    flags.mark_flags_as_required(["config", "topology"])
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    # Compile only: keep JAX's own backend on the host CPU even where a TPU is attached to this machine, unless
-    # the plan is for this host's own devices.
-    if not any(a.lower() in ("--topology=local", "local") for a in sys.argv[1:]):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from sweet_jax import cli
-    cli.run(main, define_flags=define_flags, allocator=False,
-            help_configs=("configs/critic.py:llama3_8b", "configs/policy.py:llama3_8b"))

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweet_jax import jsonl
+from sweet_jax.config_utils import writer_names
+from sweet_jax.jsonl import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +85,9 @@ def peak_flops_total(devices: Iterable[jax.Device] | None = None) -> tuple[float
         return per_host * hosts, f"measured float32 matmul peak {per_host / 1e9:.1f} GFLOP/s per host x {hosts}"
     peak = known_peak_flops(kind)
     if peak is None:
-        log.warning("unknown device kind %r: MFU is not reported (add it to sweet_jax.metrics.PEAK_FLOPS)", kind)
+        log.warning("unknown device kind %r: MFU is not reported (add it to sweet_jax.train.metrics.PEAK_FLOPS)", kind)
         return math.nan, f"unknown device kind {kind!r}"
     return peak * len(devices), f"{kind}: {peak / 1e12:.0f} TFLOP/s bf16 x {len(devices)}"
-
-
-WRITERS = ("tensorboard", "wandb")   # metrics.writers: where the scalars go besides metrics.jsonl (always written)
-
-
-def writer_names(text: str) -> tuple[str, ...]:
-    """'tensorboard,wandb' -> ('tensorboard', 'wandb'); an unknown name is a ValueError naming the choices."""
-    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
-    unknown = [n for n in names if n not in WRITERS]
-    if unknown:
-        raise ValueError(f"unknown metrics writer {unknown[0]!r}: use a comma-separated list of {', '.join(WRITERS)}")
-    return names
 
 
 PEAK_FILE = "mfu_peak.json"
@@ -182,7 +172,6 @@ class MetricsWriter:
         self._written: set[tuple[int, str]] = set()  # (step, split): a rerun never logs a step twice
         if self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            from sweet_jax.rundir import write_atomic
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
             self._written = {(int(r.get("step", 0)), r.get("split", "train")) for r in kept}
         names = writer_names(writers) if isinstance(writers, str) else tuple(writers)
@@ -206,7 +195,6 @@ class MetricsWriter:
         self._written.add((int(step), split))
         record = {"step": int(step), "split": split}
         record.update({k: _to_float(v) for k, v in scalars.items()})
-        from sweet_jax import jsonl
         jsonl.append(self.path, [record])
         finite = {k: v for k, v in record.items()
                   if k not in ("step", "split") and isinstance(v, float) and math.isfinite(v)}

@@ -27,7 +27,7 @@ skipped, so rerunning the command resumes an interrupted run):
 
 Where the policy samples (offline, candidates, eval_*): config.policy.backend = in_process, or openai = an
 inference engine (vLLM, SGLang, python -m sweet_jax.serve) started for each policy from config.policy.openai.command
-after its export, or running at config.policy.openai.base_urls (sweet_jax/policy_backend.py).
+after its export, or running at config.policy.openai.base_urls (sweet_jax/sampling/policy_backend.py).
 """
 from __future__ import annotations
 
@@ -45,9 +45,30 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
+import jax
+from flax import nnx
+from tqdm import tqdm
+
 from sweet_jax import jsonl
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import config_utils
+from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
+from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
+from sweet_jax.data.frontend import load_frontend_tasks
+from sweet_jax.data.pairs import trajectory_pairs
+from sweet_jax.data.loading import load_records
+from sweet_jax.data.schema import CandidatesRecord, PolicyPair
+from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
+from sweet_jax.envs import synthetic
+from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack, frontend_evaluation, scripted_design_trajectories
+from sweet_jax.models import Llama, LlamaConfig, load_hf, save_hf
+from sweet_jax.rl import diagnostics, diagnostics as diagnostics_lib, ranking, results as results_lib
+from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulator, rollout, summarize
+from sweet_jax.sampling import policy_backend
+from sweet_jax.sandbox import Evaluator
+from sweet_jax.train import rundir, trainer
+from sweet_jax.train.rundir import CHECKPOINT_DIR
 
 log = logging.getLogger("sweet_jax.pipeline")
 
@@ -80,7 +101,6 @@ class Run:
     @property
     def evaluator(self):
         if self._evaluator is None:
-            from sweet_jax.sandbox import Evaluator
             s = self.config.sandbox
             self._evaluator = Evaluator(workers=s.workers or None, timeout_s=s.timeout_s, compat=s.compat,
                                         degraded_ok=s.degraded_ok).__enter__()
@@ -96,7 +116,6 @@ class Run:
     def frontend_track(self):
         """Browsers, the frontend simulator and the CLIP scorer (sweet_jax.envs.frontend), started once."""
         if self._frontend is None:
-            from sweet_jax.envs.frontend import FrontendTrack
             self._frontend = FrontendTrack(self.config.frontend, self.config.simulator, seed=self.config.seed)
         return self._frontend
 
@@ -169,16 +188,12 @@ def methods_of(config) -> list[str]:
 def stage_tasks(run: Run, d: pathlib.Path) -> dict:
     t = run.config.tasks
     if t.source == "synthetic":
-        from sweet_jax.data import synthetic
         tasks = synthetic.make_tasks(t.num_train + t.num_heldout, seed=t.seed, min_keys=t.min_keys,
                                      max_keys=t.max_keys)
         rng = random.Random(t.seed)
         rng.shuffle(tasks)
         train, heldout = tasks[:t.num_train], tasks[t.num_train:]
     elif t.source in ("files", "frontend_files"):
-        from sweet_jax.data import demo_paths
-        from sweet_jax.data import load_tasks as load_colbench_tasks
-        from sweet_jax.data.frontend import load_frontend_tasks
         load_tasks = load_frontend_tasks if t.source == "frontend_files" else load_colbench_tasks
         if not t.train_path and t.source == "files":
             raise PipelineError("config.tasks.source='files' needs --config.tasks.train_path (ColBench tasks JSONL)")
@@ -216,7 +231,6 @@ def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dic
     if not t.get("num_validation"):
         return []
     if t.source == "synthetic":
-        from sweet_jax.data import synthetic
         taken = {x["ground_truth"] for x in train + heldout}
         taken |= {x["ground_truth"] for x in demonstration_pool(config, len(taken))}
         pool = synthetic.make_tasks(t.num_validation + len(taken), seed=t.validation_seed, min_keys=t.min_keys,
@@ -234,12 +248,11 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 
 
 # ==========================================================================================================
-# Training stages: sweet_jax.trainer.run with a config built from config_utils + the pipeline's values
+# Training stages: sweet_jax.train.trainer.run with a config built from config_utils + the pipeline's values
 # ==========================================================================================================
 
 def tokenizer_dir(config) -> str:
     """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint."""
-    from sweet_jax import rundir
     return rundir.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
                                 config.init.pretrained)
 
@@ -247,8 +260,6 @@ def tokenizer_dir(config) -> str:
 def train_config(config, *, kind: str, stage, model_path: str, trajectories: str = "", pairs: str = "",
                  use_info: bool = False, seed_offset: int = 0) -> ml_collections.ConfigDict:
     """A sweet_jax.train config (the fields of configs/critic.py and configs/policy.py) for one stage."""
-    from sweet_jax import config_utils
-
     c = config_utils.base_config()
     c.model.path = model_path
     c.model.dtype = config.model.dtype
@@ -300,8 +311,6 @@ def run_training(run: Run, d: pathlib.Path, tconfig) -> dict:
     """trainer.run of one stage into d/train. A rerun of the pipeline with other values goes on with them
     (run_pipeline's rule); the training run records the change. Tracking: every stage of this pipeline run in
     one group (W&B), TensorBoard runs under WORKDIR/STAGE/train."""
-    from sweet_jax import trainer
-
     tconfig.metrics.update(run.config.get("metrics") or {})
     tconfig.metrics.group = tconfig.metrics.group or run.workdir.name
     tconfig.metrics.name = f"{run.workdir.name}/{d.relative_to(run.workdir)}"
@@ -311,8 +320,6 @@ def run_training(run: Run, d: pathlib.Path, tconfig) -> dict:
 def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path, *, step: int | None = None) -> None:
     """The latest checkpoint (or `step`'s) of a train.run workdir as an HF directory (written whole, then renamed
     into place)."""
-    from sweet_jax import rundir
-
     tmp = out_hf.with_name(out_hf.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -393,11 +400,7 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
     if config.init.kind == "sft" and config.tasks.source != "synthetic":
         raise PipelineError("config.init.kind='sft' trains on scripted demonstrations of the synthetic task "
                             "family; with tasks.source='files' set init.kind='path' and init.path")
-    import jax
-    from flax import nnx
 
-    from sweet_jax.data import synthetic
-    from sweet_jax.models import Llama, LlamaConfig, save_hf
 
     if config.init.kind == "random":  # no demonstrations: the run shows the mechanics with an untrained policy
         model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))
@@ -449,7 +452,6 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
 def demonstration_pool(config, num_taken: int) -> list[dict]:
     """The synthetic tasks the starting policy's demonstrations are drawn from (the first init.num_tasks of them
     that are neither training nor held-out tasks, num_taken of which there are)."""
-    from sweet_jax.data import synthetic
     if config.init.kind != "sft" or not config.init.num_tasks:
         return []
     return synthetic.make_tasks(config.init.num_tasks + num_taken, seed=config.init.seed + 7919,
@@ -457,9 +459,6 @@ def demonstration_pool(config, num_taken: int) -> list[dict]:
 
 
 def _tiny_llama_config(config):
-    from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
-    from sweet_jax.models import LlamaConfig
-
     tok = load_tokenizer(tokenizer_dir(config))
     m = config.model
     return LlamaConfig.preset(
@@ -477,8 +476,6 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
     """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so the
     run keeps one Sampler and swaps its parameters (rundir.load_sampler's reuse): its compiled programs serve
     every rollout instead of being compiled again for each policy."""
-    from sweet_jax import rundir
-
     c = run.config
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
     mesh = rundir.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
@@ -492,8 +489,6 @@ def policy_sampler(run: Run, hf_dir: str, d: pathlib.Path, *, seed: int):
     """The policy in hf_dir as a sampler for one stage (config.policy.backend): the run's in-process Sampler, or
     an OpenAISampler over an engine started from config.policy.openai.command for hf_dir (stopped at the end of
     the stage, its output in d/engine.log) or at config.policy.openai.base_urls (serving the starting policy)."""
-    from sweet_jax import policy_backend
-
     p = run.config.get("policy")
     backend = p.backend if p is not None else "in_process"
     if backend == "openai" and not p.openai.command and hf_dir != run.starting_policy:
@@ -509,13 +504,10 @@ def policy_sampler(run: Run, hf_dir: str, d: pathlib.Path, *, seed: int):
 def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, best_of: int, temperature: float,
          max_new_tokens: int, batch_size: int, max_turns: int, seed: int) -> dict:
     """Episodes of the policy in hf_dir on `tasks`, written to out (resumable), scored in the sandbox."""
-    from sweet_jax.collect import SamplerPolicy, agent_prompt_for, make_simulator, rollout
-
     with policy_sampler(run, hf_dir, out.parent, seed=seed) as sampler:
         policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
                                system_prompt=agent_prompt_for(run.config), seed=seed)
         if run.frontend:
-            from sweet_jax.envs.frontend import FrontendEnv
             track = run.frontend_track
             return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
                            max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
@@ -535,7 +527,6 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
     c = run.config
     out = d / "trajectories.jsonl"
     if c.collect.trajectories:
-        from sweet_jax.data import load_trajectories
         trajs = [t.to_json() for t in load_trajectories(c.collect.trajectories)]
         unscored = [t for t in trajs if t.get("reward") is None]
         if unscored:
@@ -543,7 +534,6 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
             for t, s in zip(unscored, scores):
                 t["reward"] = float(s.reward) if s.status == "ok" else 0.0
         write_jsonl(out, trajs)
-        from sweet_jax.collect import summarize
         summary = summarize(trajs)
     else:
         collected = d / "collected.jsonl"
@@ -552,7 +542,6 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
              batch_size=c.collect.batch_size, max_turns=c.collect.max_turns, seed=c.seed + 100)
         trajs = _read_jsonl(collected)
         if c.collect.scripted_per_task and run.frontend:
-            from sweet_jax.envs.frontend import scripted_design_trajectories
             scripted = scripted_design_trajectories(load_task_split(run, "train"), run.scorer, seed=c.seed + 1,
                                                     per_task=c.collect.scripted_per_task)
             trajs += [dict(t, scripted=True) for t in scripted]
@@ -560,17 +549,13 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
             if c.tasks.source != "synthetic":
                 raise PipelineError("config.collect.scripted_per_task > 0 needs the synthetic tasks (their scripted "
                                     "agents); set it to 0 with tasks.source='files'")
-            from sweet_jax.data import synthetic
             scripted = synthetic.scripted_trajectories(
                 load_task_split(run, "train"), seed=c.seed + 1, per_task=c.collect.scripted_per_task,
                 policy_weights=_policy_weights(c.init.policy_weights), evaluator=run.evaluator)
             trajs += [dict(t, scripted=True) for t in scripted]
         write_jsonl(out, trajs)
-        from sweet_jax.collect import summarize
         summary = dict(summarize([t for t in trajs if not t.get("scripted")]), scripted=len(trajs) - len(
             [t for t in trajs if not t.get("scripted")]))
-    from sweet_jax.data import load_trajectories
-    from sweet_jax.data.pairs import trajectory_pairs
     pairs = trajectory_pairs(load_trajectories(out), rule=c.collect.get("pair_rule", "best_success"),
                              min_gap=c.collect.get("min_gap", 0.0))
     summary = dict(summary, trajectories=str(out), critic_pairs=len(pairs),
@@ -601,9 +586,6 @@ def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *
 
 def ranked_prompts(run: Run, trajectories: str):
     """The turn prefixes o_t that get candidates (config.rank.turn_selection, configs/pipeline.py)."""
-    from sweet_jax import ranking
-    from sweet_jax.data import load_trajectories
-
     r = run.config.rank
     trajs = load_trajectories(trajectories)
     selection = r.get("turn_selection", "sample")
@@ -616,11 +598,6 @@ def ranked_prompts(run: Run, trajectories: str):
 def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str) -> dict:
     """num_candidates replies for every ranked prompt, appended batch by batch: an interrupted stage resumes at
     the first batch not written (each batch's seed is fixed by its position, so the file is the same either way)."""
-    from sweet_jax import ranking
-    from sweet_jax.collect import agent_prompt_for
-    from sweet_jax.data.schema import CandidatesRecord, load_records
-    from tqdm import tqdm
-
     c = run.config
     prompts = ranked_prompts(run, trajectories)
     out = d / "candidates.jsonl"
@@ -648,11 +625,6 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
 
 def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajectories: str, candidates: str,
                *, use_info: bool) -> dict:
-    from sweet_jax import ranking
-    from sweet_jax.data.schema import CandidatesRecord, PolicyPair, load_records
-    from sweet_jax.data.tokenizers import load_tokenizer
-    from sweet_jax.models import load_hf
-
     c = run.config
     prompts = ranked_prompts(run, trajectories)
     by_key = {r.key: r for r in load_records(candidates, CandidatesRecord)}
@@ -688,8 +660,6 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
 def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
     """How often two rankings order the same two candidates the same way: of the pairs of ranking A whose two
     candidates ranking B also compared, the share B put on the same side (a measure of what c changes)."""
-    from sweet_jax.data.schema import PolicyPair, load_records
-
     a = {(*r.key, r.chosen, r.rejected) for r in load_records(pairs_a, PolicyPair)}
     same = opposite = 0
     for r in load_records(pairs_b, PolicyPair):
@@ -727,8 +697,6 @@ def stage_policy_grid(run: Run, d: pathlib.Path, method: str, policy_hf: str, gr
                       trajectories: str = "", pairs: str = "") -> dict:
     """One training run of `method` at learning rate lr for grid.total_steps steps, its checkpoints at the grid's
     steps exported to d/step{N}/hf (then the checkpoints, ~3x the model each, are deleted)."""
-    from sweet_jax.rundir import CHECKPOINT_DIR
-
     tconfig = policy_train_config(run, method, policy_hf, trajectories=trajectories, pairs=pairs)
     steps = grid.steps_of(method)
     tconfig.optim.lr = lr
@@ -823,8 +791,6 @@ def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str, *, split: st
 
 
 def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[str]) -> dict:
-    from sweet_jax import results as results_lib
-
     c = run.config
     s = summaries
     records = [json.loads(f.read_text()) for f in run.workdir.glob(f"**/{DONE}")]
@@ -845,7 +811,6 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "init_reused_from": s["init"].get("reused_from"),
     }
     if c.tasks.source == "synthetic":  # the synthetic tasks know every reply's worth: check the rankings
-        from sweet_jax import diagnostics as diagnostics_lib
         for name, value in diagnostics_lib.run_diagnostics(run.workdir).items():
             diagnostics["pair_oracle_agreement" + name[len("rank"):]] = value["agreement_pct"]
     model = "policy"
@@ -867,7 +832,6 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "stages": {k: v for k, v in summaries.items() if isinstance(v, dict)},
     }
     if run.frontend:  # mean CLIP cosine, and win rate against the zero-shot policy's answers to the same tasks
-        from sweet_jax.envs.frontend import frontend_evaluation
         zero_shot = _read_jsonl(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
         for m in methods:
             e = frontend_evaluation(_read_jsonl(run.path("eval", m, "trajectories.jsonl")), zero_shot)
@@ -890,7 +854,6 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
     accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
-    from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
     check_ranges(config, PIPELINE_RANGES, PipelineError)
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
@@ -978,8 +941,6 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     record, every training stage's per-step metrics, the ranked prompts' states, each ranking's candidate scores
     and pairs (annotated with the oracle on the synthetic tasks), the validation curves and the policies'
     behaviour."""
-    from sweet_jax import diagnostics
-
     out.mkdir(parents=True, exist_ok=True)
     stages = {}
     for marker in sorted(run.workdir.glob(f"**/{DONE}")):
@@ -1093,7 +1054,6 @@ def write_selection(run: Run, grid: Grid, selection: dict, zero_shot: dict | Non
 
 def write_json(path: pathlib.Path, value) -> None:
     """value as indented JSON, written atomically (rundir.write_atomic)."""
-    from sweet_jax import rundir
     rundir.write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
@@ -1101,7 +1061,6 @@ def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = F
     """A workdir belongs to one config (rundir.record_config's rule, as for train, rank and rollout): a rerun
     with other values is refused while a stage has finished, since finished stages would keep the old values'
     results, unless accept_change, which records the change in pipeline_config_changes.jsonl."""
-    from sweet_jax import rundir
     produced = any(workdir.rglob(DONE))
     changes = rundir.record_config(config, workdir / "pipeline_config.json", produced=produced,
                                    accept_change=accept_change, where=str(workdir), ignore=rundir.TRACKING_FIELDS)
@@ -1120,29 +1079,3 @@ def _diff(a, b, prefix="") -> list[str]:
     return [prefix.rstrip(".")] if a != b else []
 
 
-def main(argv):
-    from absl import flags
-    del argv
-    FLAGS = flags.FLAGS
-    logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
-    summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
-    print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)
-    print(f"stages run: {', '.join(summaries['_ran']) or 'none'}; skipped (already done): "
-          f"{', '.join(summaries['_skipped']) or 'none'}", flush=True)
-
-
-def define_flags():
-    from absl import flags
-    from ml_collections import config_flags
-
-    from sweet_jax import cli
-    config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
-                                    "pipeline config (file:preset)", lock_config=True)
-    flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
-    cli.define_accept_config_change("WORKDIR/pipeline_config_changes.jsonl")
-    flags.mark_flags_as_required(["workdir"])
-
-
-if __name__ == "__main__":
-    from sweet_jax import cli
-    cli.run(main, define_flags=define_flags, help_configs=("configs/pipeline.py:demo",))

@@ -30,9 +30,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sweet_jax import diagnostics
+import jax
+from flax import nnx
+from tqdm import tqdm
+
+from sweet_jax.rl import diagnostics
 from sweet_jax.data.schema import PolicyPair
 from sweet_jax.errors import SweetJaxError
+from sweet_jax import jsonl
+from sweet_jax.config_utils import RANK_RANGES, check_ranges
+from sweet_jax.data import demo, loading, render, tokenizers
+from sweet_jax.data.pairs import policy_pairs
+from sweet_jax.data.render import RenderError
+from sweet_jax.data.schema import Turn
+from sweet_jax.data.tokenizers import apply_chat_template, pad_id
+from sweet_jax.envs import AGENT_PROMPT
+from sweet_jax.sampling import policy_backend
+from sweet_jax.train import rundir, steps
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +154,6 @@ def prompt_ids(tokenizer, prompt: TurnPrompt, *, system_prompt: str | None = Non
         messages = list(prompt.messages)
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
-        from sweet_jax.data.tokenizers import apply_chat_template
         text = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
@@ -169,16 +182,12 @@ def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template:
     style="official": the official ranking script's sequence (data.render.render_official_score: a second BOS,
     c as a raw prefix, the reply's header tokens scored with the reply, no end-of-turn) over the prompt text the
     candidates were sampled from (prompt_ids: the recorded `input`, or the template with system_prompt)."""
-    from sweet_jax.data import render
-
     info = prompt.ground_truth if use_info else None
     if style == "official":
         text = prompt_ids(tokenizer, prompt, system_prompt=system_prompt)[1]
         return render.render_official_score(tokenizer, text, reply, info=info, info_template=info_template)
     if prompt.input_text is not None and all(t.input is not None and t.output is not None
                                              for t in prompt.turns if t.role == "assistant"):
-        from sweet_jax.data.schema import Turn
-
         turns = tuple(prompt.turns) + (Turn("assistant", reply, prompt.input_text, reply),)
         return render.render_prerendered(tokenizer, turns, info=info, info_template=info_template, label="last")
     messages = list(prompt.messages) + [{"role": "assistant", "content": reply}]
@@ -192,11 +201,6 @@ def make_mean_logp_fn(model, temperature: float = 1.0, *, compiled: dict | None 
     reference term (pi_ref with c, or the sampler's) is subtracted outside and either kind plugs in.
     compiled: a dict shared by calls that score several models of one architecture (Llama keeps no
     non-parameter state), which then share one compiled step, keyed by the model's graph and the temperature."""
-    import jax
-    from flax import nnx
-
-    from sweet_jax import steps
-
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     key = (graphdef, jax.tree.structure(rest), temperature)
     score = None if compiled is None else compiled.get(key)
@@ -220,8 +224,6 @@ class ReplyScorer:
     def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
                  use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
                  style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None):
-        from sweet_jax.data.tokenizers import pad_id
-
         self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
         self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
         self.pad = pad_id(tokenizer)
@@ -231,8 +233,6 @@ class ReplyScorer:
 
     def __call__(self, items: Sequence[tuple[TurnPrompt, str]]) -> np.ndarray:
         """Mean log-probs [len(items)]; NaN for a reply that cannot be scored (see `self.unscorable`)."""
-        from sweet_jax.data.render import RenderError
-
         seqs = []
         for prompt, text in items:
             try:
@@ -298,8 +298,6 @@ def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Can
 def turn_pairs(prompt: TurnPrompt, candidates: Candidates, scores: np.ndarray, *, num_pairs: int, seed: int,
                rank_reference: str, pairing: str = "strict") -> list[PolicyPair]:
     """The pair records of one turn (data.policy_pairs picks the indices)."""
-    from sweet_jax.data.pairs import policy_pairs
-
     keep = [i for i, s in enumerate(scores) if np.isfinite(s)]  # unscorable candidates take no part
     picked = policy_pairs([[candidates.texts[i] for i in keep]], [[float(scores[i]) for i in keep]],
                           num_pairs=num_pairs, seed=_turn_seed(seed, prompt.key), pairing=pairing)
@@ -329,8 +327,6 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
     sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
     log-probs (reference_logp unused with rank_reference='sampler'). scores_path, when given, gets a line per
     turn with every candidate's critic and reference mean log-probs and advantage (what the pairs came from)."""
-    from sweet_jax import jsonl
-
     if rank_reference not in RANK_REFERENCES:
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
     if rank_reference == "ref_with_info" and reference_logp is None:
@@ -341,7 +337,6 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
     todo = [p for p in prompts if p.key not in done]
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rank", unit="turn")
     written = 0
     gaps = []
@@ -370,3 +365,80 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
         bar.close()
     return {"turns": len(prompts), "turns_ranked_now": len(todo), "pairs_written_now": written,
             "mean_score_gap": float(np.mean(gaps)) if gaps else None}
+
+
+# Fields that change how fast the pairs come, not which pairs: a rerun may change them freely.
+OPERATIONAL_FIELDS = ("progress", "output", "score_batch_size", "prompts_per_batch", "max_batch_size", "mesh",
+                      "skip_bad")
+
+
+def record_config(config, *, accept_config_change: bool = False) -> list:
+    """OUTPUT.config.json: the config that produced the pairs in OUTPUT (rundir.record_config's rule: a rerun
+    with another config is refused while OUTPUT holds pairs, unless accept_config_change records the change)."""
+    import pathlib
+
+    out = pathlib.Path(config.output)
+    produced = out.exists() and bool(jsonl.read(out, partial="drop"))
+    return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,
+                                       ignore=OPERATIONAL_FIELDS, what="pairs")
+
+
+def run(config, *, accept_config_change: bool = False) -> dict:
+    check_ranges(config, RANK_RANGES)
+    record_config(config, accept_config_change=accept_config_change)
+    mesh = rundir.make_mesh(config.mesh.shape)
+    trajectories = loading.load_trajectories(config.trajectories or str(demo.paths().trajectories),
+                                          skip_bad=config.skip_bad)
+    if config.num_trajectories > 0:
+        trajectories = trajectories[:config.num_trajectories]
+    prompts = turn_prompts(trajectories)
+    p = config.policy
+    with policy_backend.policy_sampler(
+            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
+            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+        return rank_with(config, prompts, sampler, mesh)
+
+
+def rank_with(config, prompts, sampler, mesh) -> dict:
+    """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
+    tokenizer = sampler.tokenizer
+    tokenizers.check_chat_template(tokenizer)
+    critic, critic_run = rundir.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
+                                           tokenizer=tokenizer, seed=config.seed + 1, what="critic")
+    info_template, info_placement, use_info = config.info_template, config.info_placement, config.critic.use_info
+    if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
+        info_template, info_placement = critic_run.data.info_template, critic_run.data.info_placement
+        use_info = bool(critic_run.loss.use_info)
+        log.info("critic run settings: info_template=%r info_placement=%s use_info=%s", info_template,
+                 info_placement, use_info)
+    scorer_kw = dict(info_template=info_template, info_placement=info_placement, use_info=use_info,
+                     batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
+                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0),
+                     system_prompt=AGENT_PROMPT if config.agent_prompt else None)
+    critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
+    reference_logp = None
+    if config.rank_reference == "ref_with_info":
+        ref_path = config.reference.path or config.policy.path
+        in_process = getattr(sampler, "model", None) is not None  # the openai backend holds no weights here
+        reference = sampler.model if ref_path == config.policy.path and in_process else rundir.load_model(
+            ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
+        reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
+    calls = [0]
+
+    def sample_fn(batch):
+        calls[0] += 1
+        return sample_candidates(sampler, batch, n=config.num_candidates, max_new_tokens=config.max_new_tokens,
+                                 temperature=config.temperature, seed=config.seed * 1_000_003 + calls[0],
+                                 system_prompt=AGENT_PROMPT if config.agent_prompt else None)
+
+    result = rank_turns(prompts, sample_fn, critic_logp, reference_logp, config.output,
+                        rank_reference=config.rank_reference, num_pairs=config.num_pairs, seed=config.seed,
+                        prompts_per_batch=config.prompts_per_batch, progress=config.progress,
+                        pairing=config.get("pairing", "strict"))
+    unscorable = critic_logp.unscorable + (reference_logp.unscorable if reference_logp is not None else [])
+    if unscorable:
+        log.warning("%d candidates could not be scored and were left out; first: turn %s: %s", len(unscorable),
+                    *unscorable[0])
+    result["unscorable_candidates"] = len(unscorable)
+    return result

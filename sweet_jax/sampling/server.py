@@ -3,7 +3,7 @@
     python -m sweet_jax.serve --model HF_DIR_OR_WORKDIR --port 8000 [--host 127.0.0.1] [--tokenizer DIR]
 
 --model is a Hugging Face checkpoint directory (config.json + safetensors), or a training workdir of
-`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.rundir.restore_model).
+`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.train.rundir.restore_model).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool;
@@ -18,7 +18,7 @@ that needs it (seconds on a CPU, longer for an 8B model); `--warmup` compiles th
 prompt bucket up to --warmup_max_prompt before the server answers, and JAX's persistent compilation cache
 (sweet_jax.cli) makes a restart's compiles loads.
 
-Token ids in and out, as vLLM serves them (what sweet_jax.policy_backend's `openai` backend sends): a completions
+Token ids in and out, as vLLM serves them (what sweet_jax.sampling.policy_backend's `openai` backend sends): a completions
 `prompt` may be token ids (a list of ints, or a list of such lists); `return_tokens_as_token_ids: true` writes each
 `logprobs.tokens` entry as "token_id:N" (vLLM's --return-tokens-as-token-ids, per request), `return_token_ids: true`
 adds `prompt_token_ids` and `token_ids` to each choice (vLLM >= 0.10.2). The sampled ids include the stop token that
@@ -58,7 +58,9 @@ import time
 import uuid
 
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.generate import GenerateError, Request, Sample, Sampler, SamplingParams
+from sweet_jax.sampling.generate import GenerateError, Request, Sample, Sampler, SamplingParams
+from sweet_jax.sampling.generate import bucket_length
+from sweet_jax.train import rundir
 
 log = logging.getLogger(__name__)
 
@@ -501,8 +503,6 @@ class OpenAIApp:
         """Compile the one-row programs of every prompt-length bucket up to max_prompt (with max_tokens new
         tokens, default the server's), so that the first requests of those shapes do not wait for a compile.
         Returns the number of shapes run. More rows (concurrent requests, n > 1) are other shapes."""
-        from sweet_jax.generate import bucket_length
-
         lengths, n = [], 1
         while bucket_length(n) <= max_prompt:
             lengths.append(bucket_length(n))
@@ -519,7 +519,6 @@ class OpenAIApp:
             self.sampler.generate_requests([request])
             done += 1
         return done
-
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -755,8 +754,6 @@ def start_server(sampler: Sampler, *, host: str = "127.0.0.1", port: int = 0, mo
 def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                        mesh_shape: tuple[int, int, int] | None = None, max_batch_size: int = 64) -> Sampler:
     """A Sampler for a Hugging Face checkpoint directory or a training workdir (its latest checkpoint)."""
-    from sweet_jax import rundir
-
     if not model or not os.path.isdir(model):
         raise SweetJaxError(f"--model {model!r}: no such directory; pass a Hugging Face checkpoint directory "
                             "(config.json + *.safetensors) or a training workdir")
@@ -766,48 +763,3 @@ def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str |
                                chat_template=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from sweet_jax import cli
-    parser = cli.ArgumentParser(prog="python -m sweet_jax.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True,
-                        help="Hugging Face checkpoint directory, or a sweet_jax.train workdir (latest checkpoint)")
-    parser.add_argument("--port", type=int, default=8000, help="0 = any free port (printed on start)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    parser.add_argument("--served-model-name", default=None, help="id in /v1/models (default: directory name)")
-    parser.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default float32)")
-    parser.add_argument("--mesh", default=None, help="data,fsdp,tensor mesh shape, e.g. 1,-1,1 (default: no mesh)")
-    parser.add_argument("--max-batch-size", type=int, default=64, help="most sample rows decoded together")
-    parser.add_argument("--batch-window-ms", type=float, default=10.0, help="how long to collect a batch")
-    parser.add_argument("--warmup", action="store_true",
-                        help="compile every prompt bucket's one-row program before serving (no first-request compile)")
-    parser.add_argument("--warmup-max-prompt", type=int, default=1024, help="longest prompt bucket --warmup compiles")
-    args = parser.parse_args(argv)
-
-    try:
-        mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
-    except ValueError:
-        raise SweetJaxError(f"--mesh {args.mesh!r}: expected three integers data,fsdp,tensor, e.g. 1,-1,1") from None
-    sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
-                                 max_batch_size=args.max_batch_size)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = OpenAIApp(sampler, model_name=name, max_batch_size=args.max_batch_size,
-                    batch_window_s=args.batch_window_ms / 1000)
-    if args.warmup:
-        t0 = time.perf_counter()
-        shapes = app.warmup(max_prompt=args.warmup_max_prompt)
-        log.info("warm-up: %d prompt buckets compiled in %.0f s", shapes, time.perf_counter() - t0)
-    server = OpenAIServer(app, args.host, args.port)
-    # One parseable line: scripts (and tests) started with --port 0 read the address from it.
-    print(f"sweet_jax.serve: serving {name} on {server.url}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
-
-
-if __name__ == "__main__":
-    from sweet_jax import cli
-    cli.run(main)

@@ -23,20 +23,18 @@ is right one time in ten.
     sim = ScriptedSimulator(simulator_reply)                 # sweet_jax.envs
     demos = scripted_trajectories(tasks, seed=0, policy_weights={"thorough": 1, "partial": 2, "naive": 1})
 
-    python -m sweet_jax.data.synthetic --num-tasks 200 --out tasks.jsonl \
+    python -m sweet_jax.commands.synthetic --num-tasks 200 --out tasks.jsonl \
         [--trajectories demos.jsonl --per-task 4]            # demos scored by the sandbox
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import re
-import sys
 from typing import Any, Mapping, Sequence
 
-from sweet_jax import cli
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.envs import ColBenchEnv, ScriptedSimulator
 
 
 class SyntheticTaskError(SweetJaxError):
@@ -186,8 +184,6 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
     """Episodes of the scripted agent with the scripted human, played in the real ColBenchEnv; policies
     drawn by weight (default: equal). With an `evaluator` (sweet_jax.sandbox.Evaluator) every trajectory
     gets its reward."""
-    from sweet_jax.envs import ColBenchEnv, ScriptedSimulator
-
     weights = dict(policy_weights or {p: 1.0 for p in POLICIES})
     for name in weights:
         if name not in POLICIES:
@@ -216,32 +212,3 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
     return out
 
 
-def main(argv=None) -> None:
-    parser = cli.ArgumentParser(description="Write synthetic collaborative ColBench tasks (and demos).")
-    parser.add_argument("--num-tasks", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-keys", type=int, default=2)
-    parser.add_argument("--max-keys", type=int, default=4)
-    parser.add_argument("--out", required=True, help="tasks JSONL")
-    parser.add_argument("--trajectories", help="also write scripted, sandbox-scored trajectories here")
-    parser.add_argument("--per-task", type=int, default=4)
-    args = parser.parse_args(argv)
-    tasks = make_tasks(args.num_tasks, seed=args.seed, min_keys=args.min_keys, max_keys=args.max_keys)
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(t) + "\n" for t in tasks)
-    print(f"wrote {len(tasks)} tasks to {args.out}", file=sys.stderr)
-    if args.trajectories:
-        from sweet_jax.sandbox import Evaluator
-
-        with Evaluator(degraded_ok=True) as evaluator:
-            trajectories = scripted_trajectories(tasks, seed=args.seed, per_task=args.per_task, evaluator=evaluator)
-        with open(args.trajectories, "w") as f:
-            f.writelines(json.dumps(t) + "\n" for t in trajectories)
-        rewards = [t["reward"] for t in trajectories]
-        print(f"wrote {len(trajectories)} trajectories to {args.trajectories}: mean reward "
-              f"{sum(rewards) / len(rewards):.3f}, success {sum(r == 1.0 for r in rewards) / len(rewards):.3f}",
-              file=sys.stderr)
-
-
-if __name__ == "__main__":
-    cli.run(main, allocator=False)

@@ -47,8 +47,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
+from sweet_jax import sharding
+from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
+from sweet_jax.models import positions_from_mask
+from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
 
 
 class GenerateError(SweetJaxError):
@@ -242,9 +249,7 @@ def _constrain_batch(tree, mesh, rows: int):
     (HEADS_MAJOR_CACHE), heads over 'tensor' like the k/v projections that write them."""
     if mesh is None:
         return tree
-    from jax.sharding import NamedSharding
 
-    from sweet_jax.sharding import logical_to_spec, spec_for_shape
 
     def constrain(path, x):
         if not hasattr(x, "ndim") or x.ndim == 0 or x.shape[0] != rows:
@@ -259,8 +264,6 @@ def _constrain_batch(tree, mesh, rows: int):
 def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, width: int, mesh):
     """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
     prompt rows into sample rows (prefill shared by n samples)."""
-    from sweet_jax.models import positions_from_mask
-
     model = nnx.merge(graphdef, state)
     B, P = input_ids_BP.shape
     N = sample_row_N.shape[0]
@@ -345,7 +348,6 @@ class Sampler:
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
                  stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None):
         if tokenizer is not None:
-            from sweet_jax.data.tokenizers import check_vocab
             check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
         # HF fast tokenizers are not safe to call from several threads at once (the server does).
@@ -353,7 +355,6 @@ class Sampler:
         self._token_texts: dict[int, str] = {}   # token id -> its text decoded alone (token_texts)
         self.mesh = mesh
         if mesh is not None:
-            from sweet_jax import sharding
             model = sharding.shard_model(model, mesh) or model
         self.model = model
         self.config = model.config
@@ -449,7 +450,6 @@ class Sampler:
             raise GenerateError("the tokenizer has no chat_template; set one in tokenizer_config.json or "
                                 "pass rendered prompts to generate().")
         with self._tokenizer_lock:
-            from sweet_jax.data.tokenizers import apply_chat_template
             text = apply_chat_template(tok, messages, add_generation_prompt=True)
             # The template writes the BOS itself, so encode without adding special tokens again.
             return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -525,7 +525,6 @@ class Sampler:
             groups.append(group)
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=len(requests), desc="generate", unit="prompt")
         for group in groups:
             batch = self._generate_batch([requests[i] for i in group])
@@ -682,7 +681,6 @@ class Sampler:
     def _put(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
             return jnp.asarray(x)
-        from sweet_jax.sharding import batch_sharding
         return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:

@@ -4,25 +4,25 @@ r"""Train the SWEET-RL critic or policy (and the baselines):
     python -m sweet_jax.train --config configs/critic.py:llama3_8b --workdir gs://b/run \
         --config.model.path=/ckpt/Llama-3.1-8B-Instruct --config.data.trajectories=gs://b/colbench.jsonl
 
-The command line over sweet_jax.trainer (config -> data -> model -> reference log-probs -> loop -> summary).
+The command line over sweet_jax.train.trainer (config -> data -> model -> reference log-probs -> loop -> summary).
 Pointing --workdir at an existing run resumes it from its latest readable checkpoint.
 """
 from __future__ import annotations
 
+from absl import flags
+from ml_collections import config_flags
+
 from sweet_jax import cli
+from sweet_jax.commands import launch
+from sweet_jax.train import trainer
 
 
 def main(argv):
-    from absl import flags
-
-    from sweet_jax import trainer
     del argv
     trainer.run(flags.FLAGS.config, flags.FLAGS.workdir, accept_config_change=flags.FLAGS.accept_config_change)
 
 
 def define_flags():
-    from absl import flags
-    from ml_collections import config_flags
     config_flags.DEFINE_config_file("config", None, "a config file with preset: configs/critic.py:demo",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, config; resumes if it holds a run")
@@ -30,5 +30,7 @@ def define_flags():
     flags.mark_flags_as_required(["config", "workdir"])
 
 
+HELP_CONFIGS = ("configs/critic.py:demo", "configs/policy.py:demo")
+
 if __name__ == "__main__":
-    cli.run(main, define_flags=define_flags, help_configs=("configs/critic.py:demo", "configs/policy.py:demo"))
+    launch("train")
