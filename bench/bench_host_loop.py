@@ -60,7 +60,8 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     from transformers import AutoTokenizer
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
     from sweet_jax.models import load_hf
 
     tokenizer = AutoTokenizer.from_pretrained(a.model)

@@ -38,7 +38,8 @@ def main():
     host_malloc.reexec_with_allocator()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
     from sweet_jax.data import batching
     from sweet_jax.models import load_hf
 

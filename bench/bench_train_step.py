@@ -107,7 +107,7 @@ def save_hf_model(a, path):
 
 def auto_micro(a) -> int:
     """The micro-batch (pairs) the trainer picks for this model and batch shape (steps.auto_micro_batch_size)."""
-    from sweet_jax import steps
+    from sweet_jax.train import steps
     from sweet_jax.models import LlamaConfig
     if a.model:
         from sweet_jax.models.hf import read_hf_config
@@ -127,7 +127,8 @@ def peak_rss():
 
 def prepare_jax(a, path, spec):
     import jax
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
     from sweet_jax.models import load_hf
     from sweet_jax.models.attention import resolve_attention_impl
 

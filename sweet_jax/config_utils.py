@@ -9,16 +9,12 @@ import pathlib
 
 import ml_collections
 
-from sweet_jax.errors import SweetJaxError
+from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
 from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig
-from sweet_jax.sharding import residual_sharding
+from sweet_jax import sharding
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
-
-
-class TrainConfigError(SweetJaxError):
-    """A config value that cannot work; the message names the field and what to set."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -331,7 +327,7 @@ def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | 
                 scan_layers=bool(m.scan_layers),
                 # The residual stream's batch over ('data', 'fsdp') always: unconstrained, XLA may follow the
                 # FSDP-sharded embedding instead (the whole batch on every chip, the hidden size split).
-                residual_sharding=residual_sharding(sequence_parallel=bool(m.sequence_parallel)))
+                residual_sharding=sharding.residual_sharding(sequence_parallel=bool(m.sequence_parallel)))
 
 
 def lora_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

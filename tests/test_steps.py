@@ -1,4 +1,4 @@
-"""sweet_jax.steps on a tiny Llama: sharded == single device, accumulation == full batch, the critic learns."""
+"""sweet_jax.train.steps on a tiny Llama: sharded == single device, accumulation == full batch, the critic learns."""
 import dataclasses
 import functools
 
@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sweet_jax import config_utils, losses, sharding, steps
+from sweet_jax import config_utils, sharding
+from sweet_jax.train import losses, steps
 from sweet_jax.models import Llama, LlamaConfig
 
 CFG = LlamaConfig.preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

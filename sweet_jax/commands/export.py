@@ -6,7 +6,7 @@
 Reads the run's resolved config (workdir/config.json) to rebuild the architecture, restores only the
 parameters from the Orbax checkpoint (latest readable one, or --step) straight onto a mesh over the local
 devices, then streams them out with sweet_jax.models.save_hf together with the tokenizer files
-(sweet_jax.train.rundir.export_run). A LoRA run (config lora.rank > 0) is exported as full weights with the adapters
+(sweet_jax.train.export.export_run). A LoRA run (config lora.rank > 0) is exported as full weights with the adapters
 merged in (models/lora.py merge), and with --peft_out also as a PEFT adapter (adapter_config.json +
 adapter_model.safetensors) for the base model.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 from absl import flags
 
 from sweet_jax.commands import launch
-from sweet_jax.train import rundir
+from sweet_jax.train import export as run_export
 
 
 def main(argv):
     del argv
     FLAGS = flags.FLAGS
-    path = rundir.export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
+    path = run_export.export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
                              max_shard_size=FLAGS.max_shard_size, peft_out=FLAGS.peft_out)
     print(f"exported to {path}")
 

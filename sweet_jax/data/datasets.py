@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 
 from sweet_jax import jsonl
-from sweet_jax.config_utils import TrainConfigError
+from sweet_jax.errors import TrainConfigError
 from sweet_jax.data import batching, loading, render, schema
 from sweet_jax.data import pairs as pairs_lib
 from sweet_jax.data.demo import paths as demo_paths

@@ -68,6 +68,9 @@ from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulato
 from sweet_jax.sampling import policy_backend
 from sweet_jax.sandbox import Evaluator
 from sweet_jax.train import rundir, trainer
+from sweet_jax.train import export as run_export
+from sweet_jax.sampling import generate
+from sweet_jax.train import model_loading
 from sweet_jax.train.rundir import CHECKPOINT_DIR
 
 log = logging.getLogger("sweet_jax.pipeline")
@@ -253,7 +256,7 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 
 def tokenizer_dir(config) -> str:
     """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint."""
-    return rundir.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
+    return model_loading.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
                                 config.init.pretrained)
 
 
@@ -323,7 +326,7 @@ def export_trained(train_dir: pathlib.Path, out_hf: pathlib.Path, *, step: int |
     tmp = out_hf.with_name(out_hf.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        rundir.export_run(train_dir, tmp, step=step)
+        run_export.export_run(train_dir, tmp, step=step)
     except rundir.RunDirError as e:
         raise PipelineError(f"{e}; delete {train_dir.parent} and rerun to train this stage again") from None
     shutil.rmtree(out_hf, ignore_errors=True)
@@ -474,12 +477,12 @@ def _tiny_llama_config(config):
 
 def load_sampler(run: Run, hf_dir: str, *, seed: int):
     """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so the
-    run keeps one Sampler and swaps its parameters (rundir.load_sampler's reuse): its compiled programs serve
+    run keeps one Sampler and swaps its parameters (generate.load_sampler's reuse): its compiled programs serve
     every rollout instead of being compiled again for each policy."""
     c = run.config
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
-    mesh = rundir.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
-    run.sampler = rundir.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
+    mesh = model_loading.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
+    run.sampler = generate.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
                                       max_batch_size=c.train.max_batch_size, reuse=run.sampler)
     return run.sampler
 

@@ -44,6 +44,8 @@ from sweet_jax.sandbox import Evaluator
 from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 from sweet_jax.sampling import policy_backend
 from sweet_jax.train import rundir
+from sweet_jax.sampling import generate
+from sweet_jax.train import model_loading
 
 log = logging.getLogger("sweet_jax.rollout")
 
@@ -369,14 +371,14 @@ def run(config, *, accept_config_change: bool = False) -> dict:
     tasks = load_task_list(config.tasks, config.num_tasks, frontend=frontend)
     if config.get("layout", "by_task") not in ("by_task", "official"):
         raise RolloutError(f"layout={config.layout!r}: use by_task or official (the official block layout)")
-    mesh = rundir.make_mesh(config.mesh.shape)
+    mesh = model_loading.make_mesh(config.mesh.shape)
     p = config.policy
     if p.backend == "openai" and config.simulator.kind == "model" and not config.simulator.path:
         raise RolloutError("simulator.kind='model' with simulator.path='' plays the human with the policy's own "
                            "in-process model; with policy.backend='openai' set simulator.path")
     with policy_backend.policy_sampler(
-            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
-            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
+            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
                                         max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
         return play(config, tasks, sampler, mesh, frontend=frontend)
 
@@ -399,7 +401,7 @@ def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
         return summary
     simulator = make_simulator(
         config.simulator, seed=config.seed, policy_sampler=sampler,
-        load_sampler=lambda: rundir.load_sampler(config.simulator.path, config.simulator.tokenizer,
+        load_sampler=lambda: generate.load_sampler(config.simulator.path, config.simulator.tokenizer,
                                                  dtype=config.policy.dtype, seed=config.seed, mesh=mesh))
     out = pathlib.Path(config.output)
     evaluator = None

@@ -34,7 +34,7 @@ from sweet_jax.data.pairs import trajectory_pairs
 from sweet_jax.data.tokenizers import load_tokenizer
 from sweet_jax.envs.prompts import AGENT_PROMPT
 from sweet_jax.models import load_hf
-from sweet_jax.train import rundir
+from sweet_jax.train import model_loading
 
 
 _SCORE_STEPS: dict = {}
@@ -200,7 +200,7 @@ def run_probes(workdir: pathlib.Path) -> dict:
     for method in ("sweet", "sweet_no_info"):
         train_dir = workdir / "policies" / method / "train"
         for step in checkpoint_steps(train_dir):
-            model = rundir.restore_model(train_dir, step)[0]
+            model = model_loading.restore_model(train_dir, step)[0]
             out[f"{method} step {step}"] = policy_probes(model)
     for method in ("rft", "mtdpo", "sweet", "sweet_no_info"):
         hf = workdir / "policies" / method / "hf"

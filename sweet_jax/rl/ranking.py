@@ -47,6 +47,8 @@ from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
 from sweet_jax.sampling import policy_backend
 from sweet_jax.train import rundir, steps
+from sweet_jax.sampling import generate
+from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +388,7 @@ def record_config(config, *, accept_config_change: bool = False) -> list:
 def run(config, *, accept_config_change: bool = False) -> dict:
     check_ranges(config, RANK_RANGES)
     record_config(config, accept_config_change=accept_config_change)
-    mesh = rundir.make_mesh(config.mesh.shape)
+    mesh = model_loading.make_mesh(config.mesh.shape)
     trajectories = loading.load_trajectories(config.trajectories or str(demo.paths().trajectories),
                                           skip_bad=config.skip_bad)
     if config.num_trajectories > 0:
@@ -394,8 +396,8 @@ def run(config, *, accept_config_change: bool = False) -> dict:
     prompts = turn_prompts(trajectories)
     p = config.policy
     with policy_backend.policy_sampler(
-            p.backend, p.openai, p.path, rundir.tokenizer_dir(p.tokenizer, p.path),
-            lambda: rundir.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
+            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
                                         max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
         return rank_with(config, prompts, sampler, mesh)
 
@@ -404,7 +406,7 @@ def rank_with(config, prompts, sampler, mesh) -> dict:
     """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
     tokenizer = sampler.tokenizer
     tokenizers.check_chat_template(tokenizer)
-    critic, critic_run = rundir.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
+    critic, critic_run = model_loading.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
                                            tokenizer=tokenizer, seed=config.seed + 1, what="critic")
     info_template, info_placement, use_info = config.info_template, config.info_placement, config.critic.use_info
     if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
@@ -421,7 +423,7 @@ def rank_with(config, prompts, sampler, mesh) -> dict:
     if config.rank_reference == "ref_with_info":
         ref_path = config.reference.path or config.policy.path
         in_process = getattr(sampler, "model", None) is not None  # the openai backend holds no weights here
-        reference = sampler.model if ref_path == config.policy.path and in_process else rundir.load_model(
+        reference = sampler.model if ref_path == config.policy.path and in_process else model_loading.load_model(
             ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
         reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
     calls = [0]

@@ -56,6 +56,9 @@ from sweet_jax import sharding
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
 from sweet_jax.models import positions_from_mask
 from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
+from sweet_jax.models import load_hf
+from sweet_jax.train.model_loading import is_hf_checkpoint, is_training_run, load_model, load_tokenizer_for
+from sweet_jax.train.rundir import read_config
 
 
 class GenerateError(SweetJaxError):
@@ -716,3 +719,26 @@ def _cache_width(cache) -> int:
 def _mix_seed(seed: int, index: int) -> int:
     """A distinct, reproducible 31-bit seed for (seed, index)."""
     return int(np.random.default_rng([int(seed) & 0xFFFFFFFF, int(index)]).integers(2**31))
+
+
+def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
+                 max_batch_size: int = 64, chat_template: bool = True, reuse=None):
+    """A Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory).
+
+    reuse: a Sampler to load a Hugging Face checkpoint of the same architecture into: only its parameters are
+    swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
+    compiled again (the pipeline samples from several policies of one architecture). Another architecture
+    gets a new Sampler."""
+    if reuse is not None and is_hf_checkpoint(path):
+        try:
+            reuse.set_params(load_hf(path, dtype=dtype or None), seed=seed)
+            return reuse
+        except GenerateError:  # another architecture: a new Sampler (and new compilations)
+            pass
+
+    run_config = read_config(path) if path and is_training_run(path) else None
+    tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)
+    model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed)
+    if run_config is not None and mesh is None:
+        mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
+    return Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)

@@ -3,7 +3,7 @@
     python -m sweet_jax.serve --model HF_DIR_OR_WORKDIR --port 8000 [--host 127.0.0.1] [--tokenizer DIR]
 
 --model is a Hugging Face checkpoint directory (config.json + safetensors), or a training workdir of
-`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.train.rundir.restore_model).
+`python -m sweet_jax.train` (its latest readable checkpoint, restored with sweet_jax.train.model_loading.restore_model).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool;
@@ -60,7 +60,8 @@ import uuid
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sampling.generate import GenerateError, Request, Sample, Sampler, SamplingParams
 from sweet_jax.sampling.generate import bucket_length
-from sweet_jax.train import rundir
+from sweet_jax.sampling import generate
+from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)
 
@@ -757,9 +758,9 @@ def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str |
     if not model or not os.path.isdir(model):
         raise SweetJaxError(f"--model {model!r}: no such directory; pass a Hugging Face checkpoint directory "
                             "(config.json + *.safetensors) or a training workdir")
-    mesh = rundir.make_mesh(mesh_shape, field="--mesh") if mesh_shape is not None else None
+    mesh = model_loading.make_mesh(mesh_shape, field="--mesh") if mesh_shape is not None else None
     # Plain completions need no chat template; /v1/chat/completions says so when the tokenizer has none.
-    return rundir.load_sampler(model, tokenizer, dtype=dtype, mesh=mesh, max_batch_size=max_batch_size,
+    return generate.load_sampler(model, tokenizer, dtype=dtype, mesh=mesh, max_batch_size=max_batch_size,
                                chat_template=False)
 
 

@@ -1,4 +1,4 @@
-"""What a run directory is, and how a model, its tokenizer and a sampler are loaded from a path.
+"""What a training run directory is: its records (config, changes, invocations with provenance, summary), its lock.
 
 A training run directory (`--workdir`) holds
   config.json / config.txt   the resolved config (JSON read back by export, serve, rank; a readable copy)
@@ -12,9 +12,7 @@ Every record (config.json, config.txt, summary.json, ...) is written atomically 
 disk leaves the old file or the new one, never half of one. A directory that holds something else (a model's
 files, a config.json that is not a run's) is refused as a workdir (check_workdir).
 
-A model path is one of: a Hugging Face checkpoint directory (config.json + *.safetensors), a training run
-directory (its latest readable checkpoint), or '' for the demo tiny random model (its vocabulary from the
-tokenizer). `load_model` and `load_sampler` are the one way every command loads them.
+Loading a run's model: sweet_jax.train.model_loading; exporting it: sweet_jax.train.export.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ import datetime
 import errno
 import json
 import logging
-import math
 import os
 import pathlib
 import subprocess
@@ -33,19 +30,10 @@ from typing import Any
 import jax
 import ml_collections
 from etils import epath
-from flax import nnx
 
 from sweet_jax.errors import SweetJaxError
-from sweet_jax import config_utils, jsonl, sharding
+from sweet_jax import config_utils, jsonl
 from sweet_jax.jsonl import write_atomic
-from sweet_jax.config_utils import model_overrides
-from sweet_jax.data import demo
-from sweet_jax.data.tokenizers import check_vocab, end_of_turn_ids, load_tokenizer
-from sweet_jax.models import Llama, LlamaConfig, load_hf, lora, save_hf
-from sweet_jax.models.hf import read_hf_config
-from sweet_jax.models.lora import LoRAConfig, add_adapters
-from sweet_jax.sampling import generate
-from sweet_jax.train import checkpoint
 
 CONFIG_FILE = "config.json"
 CONFIG_TEXT = "config.txt"
@@ -313,211 +301,3 @@ def append_record(path, record: dict) -> None:
         path.write_text(old + ("" if not old or old.endswith("\n") else "\n") + json.dumps(record) + "\n")
     else:
         jsonl.append(path, [record])
-
-
-# ==========================================================================================================
-# Tokenizer, distributed init, mesh
-# ==========================================================================================================
-
-def demo_paths():
-    return demo.paths()
-
-
-def tokenizer_dir(*choices) -> str:
-    """The tokenizer directory: the first non-empty of `choices` (tokenizer or model directories, in order of
-    preference), else the bundled demo tokenizer (the demo tiny model's)."""
-    for choice in choices:
-        if choice:
-            return str(choice)
-    return str(demo_paths().tokenizer)
-
-
-def tokenizer_path(config) -> str:
-    """A training config's tokenizer: data.tokenizer, else model.path, else the bundled demo tokenizer."""
-    return tokenizer_dir(config.data.tokenizer, config.model.path)
-
-
-def initialize_distributed() -> bool:
-    """sharding.initialize_distributed: jax.distributed when this is one process of several."""
-    return sharding.initialize_distributed()
-
-
-def make_mesh(shape, *, field: str = "config.mesh.shape"):
-    """The ('data', 'fsdp', 'tensor') mesh of `shape` (-1 = the rest of the devices); None for an empty shape
-    (one device, no sharding). A shape the devices cannot fill is a one-line error naming `field`."""
-    if not shape:
-        return None
-
-    shape = tuple(int(s) for s in shape)
-    n = jax.device_count()
-    fixed = math.prod(s for s in shape if s != -1)
-    if len(shape) != 3 or fixed > n or (-1 in shape and n % fixed):
-        raise RunDirError(
-            f"{field}={shape} needs {fixed} devices{'' if -1 not in shape else ' (times the -1 axis)'}, "
-            f"but this run has {n}; set {field} so the sizes multiply to {n} (e.g. '(1,-1,1)')")
-    return sharding.make_mesh(shape)
-
-
-# ==========================================================================================================
-# Models and samplers
-# ==========================================================================================================
-
-def model_config(config, vocab_size: int, tokenizer=None):
-    """The LlamaConfig of a training config: from model.path's config.json, or the named preset (demo: tiny,
-    whose vocabulary and bos/eos come from the tokenizer so an exported demo model generates and stops)."""
-    overrides = model_overrides(config)
-    if config.model.path:
-        return LlamaConfig.from_hf(read_hf_config(config.model.path), **overrides)
-    if config.model.preset == "tiny":
-        overrides["vocab_size"] = vocab_size
-        if tokenizer is not None:
-            overrides.update(demo_token_ids(tokenizer))
-    return LlamaConfig.preset(config.model.preset, **overrides)
-
-
-def demo_token_ids(tokenizer) -> dict:
-    """bos/eos of the tiny demo model, from its tokenizer (eos: every end-of-turn token)."""
-    eos = tuple(sorted(end_of_turn_ids(tokenizer)))
-    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
-
-
-def is_hf_checkpoint(path) -> bool:
-    p = pathlib.Path(os.fspath(path))
-    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-
-
-def is_training_run(path) -> bool:
-    """A sweet_jax.train run directory (checkpoints/ + the run's config.json), not a HF checkpoint."""
-    p = pathlib.Path(os.fspath(path))
-    return (p / CHECKPOINT_DIR).is_dir() and (p / CONFIG_FILE).is_file() and not any(p.glob("*.safetensors"))
-
-
-def build_model(config, llama_config, mesh):
-    """The model to train, sharded on the mesh: HF weights from model.path, or a seeded random init; with
-    config.lora.rank > 0, fresh LoRA adapters on it (models/lora.py: the base weights are then frozen)."""
-    def with_adapters(model):
-        return add_adapters(model, LoRAConfig.from_config(config.get("lora")), seed=int(config.train.seed))
-
-    if config.model.path:
-        overrides = {k: v for k, v in model_overrides(config).items() if k != "param_dtype"}
-        return with_adapters(load_hf(config.model.path, dtype=llama_config.param_dtype, mesh=mesh,
-                                     config_overrides=overrides))
-    # Random init straight onto the shardings (jit with out_shardings): big presets never sit on one device.
-    abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = sharding.param_shardings(abstract_state, mesh)
-    seed = int(config.train.seed)
-    state = jax.jit(lambda: nnx.split(Llama(llama_config, rngs=nnx.Rngs(seed)))[1], out_shardings=shardings)()
-    return with_adapters(nnx.merge(graphdef, state))
-
-
-def lora_trainable(config):
-    """What a run trains (steps.create_train_state's filter): nnx.LoRAParam, the adapters, when config.lora.rank
-    > 0; else every nnx.Param."""
-    return nnx.LoRAParam if LoRAConfig.from_config(config.get("lora")).enabled else nnx.Param
-
-
-def restore_model(workdir, step: int | None = None):
-    """(the trained model as an nnx Llama, its step, the run's config) from a training run directory: only
-    the trained parameters, restored straight onto a mesh over the local devices. A LoRA run's checkpoints
-    hold the adapters: the base is rebuilt as the run built it (model.path or the seeded demo init) and the
-    model comes back with its adapters (models.lora.merge folds them in)."""
-    workdir = pathlib.Path(workdir)
-    config = read_config(workdir)
-    tokenizer = load_tokenizer(tokenizer_path(config))
-    llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
-    mesh = sharding.make_mesh((1, -1, 1))
-    trainable = lora_trainable(config)
-    if trainable is nnx.Param:
-        abstract = nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0)))
-        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    else:
-        graphdef, params, rest = nnx.split(build_model(config, llama_config, mesh), trainable, ...)
-    shardings = sharding.param_shardings(params, mesh)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    ckpt = checkpoint.Checkpointer(workdir / CHECKPOINT_DIR, keep=0, async_save=False)
-    restored = ckpt.restore({"params": target}, step=step)
-    if restored is None:
-        raise RunDirError(f"{workdir / CHECKPOINT_DIR} holds no checkpoint: train first "
-                          f"(python -m sweet_jax.train --workdir {workdir} ...)")
-    got_step, items, _ = restored
-    ckpt.close()
-    return nnx.merge(graphdef, items["params"], rest), got_step, config
-
-
-def export_run(workdir, out, *, step: int | None = None, dtype: str | None = None,
-               max_shard_size: str = "5GB", peft_out: str | None = None) -> pathlib.Path:
-    """A training run's parameters (latest readable checkpoint, or `step`) as a Hugging Face checkpoint in `out`,
-    with the run's tokenizer files: what transformers and vLLM load. A LoRA run is exported with its adapters
-    merged in, and with peft_out also as a PEFT adapter for the base model."""
-    import logging
-
-    log = logging.getLogger("sweet_jax.export")
-    model, got_step, config = restore_model(workdir, step)
-    if lora.has_adapters(model):
-        if peft_out:
-            lora.save_peft(model, lora.LoRAConfig.from_config(config.lora), peft_out,
-                           base_model=config.model.path, dtype=dtype)
-            log.info("wrote the LoRA adapter of step %d in PEFT format to %s", got_step, peft_out)
-        model = lora.merge(model)
-    elif peft_out:
-        raise RunDirError(f"--peft_out={peft_out}: the run {workdir} has no LoRA adapters (its lora.rank is 0)")
-    path = save_hf(model, out, tokenizer_dir=tokenizer_path(config), dtype=dtype, max_shard_size=max_shard_size)
-    log.info("exported step %d of %s to %s", got_step, workdir, path)
-    return path
-
-
-def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None, *, chat_template: bool = True):
-    """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
-    the training run's tokenizer, or the demo tokenizer for ''."""
-    directory = tokenizer_dir(tokenizer, tokenizer_path(run_config) if run_config is not None else path)
-    return load_tokenizer(directory, require_chat_template=chat_template)
-
-
-def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None, seed: int = 0,
-               what: str = "model"):
-    """(model, the training run's config or None) for a model path (see the module docstring). `tokenizer`
-    sizes the demo model's vocabulary ('' path) and is checked against the loaded one's."""
-    if not path:
-        if tokenizer is None:
-            tokenizer = load_tokenizer_for("")
-        config = LlamaConfig.preset("tiny", vocab_size=len(tokenizer), **demo_token_ids(tokenizer))
-        return Llama(config, rngs=nnx.Rngs(seed)), None
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise RunDirError(f"{what} path {path}: no such directory; pass a Hugging Face checkpoint directory "
-                          "(config.json + *.safetensors), a training run directory, or '' for the demo model")
-    if is_hf_checkpoint(p):
-        if tokenizer is not None:  # before reading the weights
-            check_vocab(read_hf_config(p).get("vocab_size", 0), tokenizer, model=f"{what} {path}")
-        return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
-    if is_training_run(p):
-        model, step, run_config = restore_model(p)
-        import logging
-        logging.getLogger(__name__).info("%s: step %d of the training run %s", what, step, p)
-        return model, run_config
-    raise RunDirError(f"{what} path {path}: neither a Hugging Face checkpoint directory (config.json + "
-                      "*.safetensors) nor a training run directory (config.json + checkpoints/)")
-
-
-def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
-                 max_batch_size: int = 64, chat_template: bool = True, reuse=None):
-    """A generate.Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory).
-
-    reuse: a Sampler to load a Hugging Face checkpoint of the same architecture into: only its parameters are
-    swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
-    compiled again (the pipeline samples from several policies of one architecture). Another architecture
-    gets a new Sampler."""
-    if reuse is not None and is_hf_checkpoint(path):
-        try:
-            reuse.set_params(load_hf(path, dtype=dtype or None), seed=seed)
-            return reuse
-        except generate.GenerateError:  # another architecture: a new Sampler (and new compilations)
-            pass
-
-    run_config = read_config(path) if path and is_training_run(path) else None
-    tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)
-    model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed)
-    if run_config is not None and mesh is None:
-        mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
-    return generate.Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from sweet_jax import cli, host_malloc
 from sweet_jax.train import rundir
+from sweet_jax.train import model_loading
 from sweet_jax.config_utils import TrainConfigError, check_config
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.train.rundir import CHECKPOINT_DIR
@@ -108,11 +109,11 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
         log.info("%s already holds this run, finished at step %s: nothing to do (its summary.json and curves.png "
                  "are there; pick another --workdir to train again)", workdir, finished.get("steps"))
         return finished
-    rundir.initialize_distributed()
+    model_loading.initialize_distributed()
     with contextlib.ExitStack() as mesh_scope:
         if jax.process_index() == 0:  # one trainer per workdir; the processes of one run share it
             mesh_scope.enter_context(rundir.workdir_lock(workdir))
-        trainer = Trainer(config, workdir, rundir.make_mesh(training_mesh_shape(config)))
+        trainer = Trainer(config, workdir, model_loading.make_mesh(training_mesh_shape(config)))
         trainer.setup(mesh_scope, accept_config_change=accept_config_change)
         trainer.resume()
         trainer.loop()
@@ -126,7 +127,7 @@ def training_mesh_shape(config) -> tuple:
         chosen, why = sharding.choose_mesh_shape(shape, jax.device_count(), config.train.batch_size,
                                                  config.train.micro_batch_size)
     except sharding.MeshError:
-        return shape  # rundir.make_mesh names what the devices cannot fill
+        return shape  # model_loading.make_mesh names what the devices cannot fill
     if why:
         log.info("mesh: %s", why)
     return chosen
@@ -147,7 +148,7 @@ class Trainer:
         """The run recorded in the workdir; this host's data; the model, train state and steps; the reference
         log-probs attached to the data; then the training batches."""
         self.record_run(accept_config_change)
-        tokenizer = load_tokenizer(rundir.tokenizer_path(self.config))
+        tokenizer = load_tokenizer(model_loading.tokenizer_path(self.config))
         train_set, eval_set = self.load_data(tokenizer)
         self.build_steps(tokenizer, mesh_scope)
         self.train_set, self.eval_set = self.attach_reference(train_set, eval_set)
@@ -198,12 +199,12 @@ class Trainer:
     def build_steps(self, tokenizer, mesh_scope: contextlib.ExitStack) -> None:
         """The model, optimiser and train state on the mesh; the train and eval steps of the config's LossSpec."""
         config, mesh = self.config, self.mesh
-        self.llama_config = rundir.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        self.llama_config = model_loading.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
         check_vocab(self.llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
-                    where=f"the tokenizer {rundir.tokenizer_path(config)}")
-        model = rundir.build_model(config, self.llama_config, mesh)
+                    where=f"the tokenizer {model_loading.tokenizer_path(config)}")
+        model = model_loading.build_model(config, self.llama_config, mesh)
         optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
-        self.state = steps.create_train_state(model, optimizer, mesh, trainable=rundir.lora_trainable(config),
+        self.state = steps.create_train_state(model, optimizer, mesh, trainable=model_loading.lora_trainable(config),
                                               offload_opt_state=config.optim.get("offload_state", False))
         del model
         if config.lora.rank:
