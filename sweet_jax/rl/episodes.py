@@ -46,6 +46,7 @@ from sweet_jax.sampling import policy_backend
 from sweet_jax.train import rundir
 from sweet_jax.sampling import generate
 from sweet_jax.train import model_loading
+from sweet_jax.sampling.base import BaseSampler
 
 log = logging.getLogger("sweet_jax.rollout")
 
@@ -68,10 +69,10 @@ class PolicyReply:
 
 
 class SamplerPolicy:
-    """The agent as a sweet_jax Sampler: each dialogue is rendered with the tokenizer's chat template,
-    after an optional system prompt holding the task rules (AGENT_PROMPT)."""
+    """The agent as a sampler (sampling.base.BaseSampler: in process or an engine): each dialogue is rendered with
+    the tokenizer's chat template, after an optional system prompt holding the task rules (AGENT_PROMPT)."""
 
-    def __init__(self, sampler, *, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
+    def __init__(self, sampler: BaseSampler, *, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, system_prompt: str | None = AGENT_PROMPT, seed: int = 0):
         self.sampler, self.tokenizer = sampler, sampler.tokenizer
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
@@ -383,7 +384,7 @@ def run(config, *, accept_config_change: bool = False) -> dict:
         return play(config, tasks, sampler, mesh, frontend=frontend)
 
 
-def play(config, tasks, sampler, mesh, *, frontend: bool) -> dict:
+def play(config, tasks, sampler: BaseSampler, mesh, *, frontend: bool) -> dict:
     """The episodes of the config's tasks with the policy `sampler` (in-process or an engine)."""
     policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
                                    temperature=config.sampling.temperature, top_p=config.sampling.top_p,

@@ -49,6 +49,7 @@ from sweet_jax.sampling import policy_backend
 from sweet_jax.train import rundir, steps
 from sweet_jax.sampling import generate
 from sweet_jax.train import model_loading
+from sweet_jax.sampling.base import BaseSampler
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def prompt_ids(tokenizer, prompt: TurnPrompt, *, system_prompt: str | None = Non
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
 
 
-def sample_candidates(sampler, prompts: Sequence[TurnPrompt], *, n: int, max_new_tokens: int,
+def sample_candidates(sampler: BaseSampler, prompts: Sequence[TurnPrompt], *, n: int, max_new_tokens: int,
                       temperature: float = 1.0, seed: int = 0, system_prompt: str | None = None) -> list[Candidates]:
     encoded = [prompt_ids(sampler.tokenizer, p, system_prompt=system_prompt) for p in prompts]
     samples = sampler.generate([ids for ids, _ in encoded], max_new_tokens=max_new_tokens, temperature=temperature,
@@ -402,7 +403,7 @@ def run(config, *, accept_config_change: bool = False) -> dict:
         return rank_with(config, prompts, sampler, mesh)
 
 
-def rank_with(config, prompts, sampler, mesh) -> dict:
+def rank_with(config, prompts, sampler: BaseSampler, mesh) -> dict:
     """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
     tokenizer = sampler.tokenizer
     tokenizers.check_chat_template(tokenizer)
@@ -422,8 +423,8 @@ def rank_with(config, prompts, sampler, mesh) -> dict:
     reference_logp = None
     if config.rank_reference == "ref_with_info":
         ref_path = config.reference.path or config.policy.path
-        in_process = getattr(sampler, "model", None) is not None  # the openai backend holds no weights here
-        reference = sampler.model if ref_path == config.policy.path and in_process else model_loading.load_model(
+        in_process = sampler.local_model is not None  # an engine holds the weights in its own process
+        reference = sampler.local_model if ref_path == config.policy.path and in_process else model_loading.load_model(
             ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
         reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
     calls = [0]

@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 from sweet_jax import sharding
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
@@ -98,20 +99,6 @@ class SamplingParams:
             raise GenerateError(f"stop strings must be non-empty, got {list(self.stop)!r}.")
 
 
-@dataclasses.dataclass
-class Sample:
-    """One sampled continuation.
-
-    token_ids / logprobs cover every generated token, including the stop token id that ended the row and
-    the token that completed a stop string; `text` is the decoded continuation without the stop token and
-    cut before the stop string (OpenAI semantics). logprobs are the model's (temperature 1.0) log-probs.
-    """
-
-    text: str | None
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # 'stop' (stop token or stop string) | 'length' (max_new_tokens)
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
 
 
 @dataclasses.dataclass
@@ -338,7 +325,7 @@ def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_w
 # The sampler
 # ----------------------------------------------------------------------------------------------------------
 
-class Sampler:
+class Sampler(BaseSampler):
     """Batched KV-cache sampling from an NNX Llama (sweet_jax.models) with a Hugging Face tokenizer.
 
     model:      sweet_jax.models.Llama (call `sweet_jax.models.load_hf(dir, mesh=mesh)` to get one)
@@ -372,6 +359,10 @@ class Sampler:
         self._decode_fns: dict[tuple[int, int], Any] = {}
         self._grow_fns: dict[int, Any] = {}
         self._unembed_fn = jax.jit(functools.partial(_split_unembedding, mesh=mesh))
+
+    @property
+    def local_model(self):
+        return self.model
 
     @property
     def graphdef(self):
@@ -438,7 +429,7 @@ class Sampler:
             Request(self.encode(p, add_special_tokens=add_special_tokens),
                     SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, n=n, stop=stop, stop_token_ids=tuple(stop_token_ids),
-                                   ignore_eos=ignore_eos, seed=_mix_seed(base_seed, j)))
+                                   ignore_eos=ignore_eos, seed=mix_seed(base_seed, j)))
             for j, p in enumerate(prompts)]
         return self.generate_requests(requests, progress=progress)
 
@@ -577,7 +568,7 @@ class Sampler:
                 sample_row[row], temperature[row], top_p[row], top_k[row] = j, p.temperature, p.top_p, p.top_k
                 max_new_rows[row] = p.max_new_tokens
                 stop_ids[row, :len(stop_sets[j])] = stop_sets[j]
-                keys[row] = (0, _mix_seed(seed, i))  # == jax.random.PRNGKey(seed) (threefry), built on host
+                keys[row] = (0, mix_seed(seed, i))  # == jax.random.PRNGKey(seed) (threefry), built on host
                 owner.append((j, i))
                 row += 1
 
@@ -715,10 +706,6 @@ class Sampler:
 def _cache_width(cache) -> int:
     return cache[0]["v_BKSH"].shape[cache_slot_axis("v_BKSH")]
 
-
-def _mix_seed(seed: int, index: int) -> int:
-    """A distinct, reproducible 31-bit seed for (seed, index)."""
-    return int(np.random.default_rng([int(seed) & 0xFFFFFFFF, int(index)]).integers(2**31))
 
 
 def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,

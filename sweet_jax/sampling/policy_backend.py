@@ -22,7 +22,7 @@ The `openai` settings (`policy.openai`, see `openai_config`):
                      timeouts, 429 and 5xx (other errors fail at once with the engine's message).
 
 Same results either way: request j of a `generate` call carries the seed the in-process sampler gives prompt j
-(generate._mix_seed(seed, j)) and the policy's end-of-sequence ids as stop_token_ids, and its text is decoded here
+(base.mix_seed(seed, j)) and the policy's end-of-sequence ids as stop_token_ids, and its text is decoded here
 from the returned ids as the Sampler decodes them; with `python -m sweet_jax.serve` as the engine, greedy replies
 are the same token ids with the same log-probs (tests/test_policy_backend.py). Sampled replies are the same up to
 floating-point rounding: the engine batches concurrent requests its own way, so a logit can differ in its last
@@ -55,7 +55,7 @@ from tqdm import tqdm
 from sweet_jax.errors import SweetJaxError
 from sweet_jax import http_bounds
 from sweet_jax.data.tokenizers import load_tokenizer
-from sweet_jax.sampling.generate import Sample, _mix_seed
+from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,8 @@ class Engine:
 # The sampler: generate.Sampler's `generate` over HTTP
 # ==========================================================================================================
 
-class OpenAISampler:
-    """`generate(prompt ids, ...)` -> samples[prompt][i] (generate.Sample: text, token_ids, logprobs,
+class OpenAISampler(BaseSampler):
+    """`generate(prompt ids, ...)` -> samples[prompt][i] (base.Sample: text, token_ids, logprobs,
     finish_reason) from OpenAI-compatible completions endpoints; what SamplerPolicy and ranking.sample_candidates
     call. `tokenizer` renders prompts and decodes replies; `config.max_position_embeddings` is the context the
     policy's episodes are checked against; `eos_token_ids` are sent as stop_token_ids."""
@@ -273,6 +273,10 @@ class OpenAISampler:
                 self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency,
                                                                       thread_name_prefix="sweet_jax-openai")
             return self._threads
+
+    @property
+    def local_model(self) -> None:
+        return None  # the weights are in the engine's process
 
     def close(self) -> None:
         """Stop the request threads and close the connections; generate starts them again."""
@@ -376,7 +380,7 @@ class OpenAISampler:
         for j, ids in enumerate(prompts):
             body = {"model": self.model_name, "prompt": [int(t) for t in ids], "max_tokens": int(max_new_tokens),
                     "temperature": float(temperature), "top_p": float(top_p), "n": int(n),
-                    "seed": _mix_seed(base_seed, j), "logprobs": 1, "return_tokens_as_token_ids": True}
+                    "seed": mix_seed(base_seed, j), "logprobs": 1, "return_tokens_as_token_ids": True}
             if top_k:
                 body["top_k"] = int(top_k)
             if self.eos_token_ids:
@@ -495,7 +499,7 @@ def hf_vocab_size(hf_dir: str) -> int | None:
 @contextlib.contextmanager
 def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
                    load_in_process: Callable[[], Any], *, field: str = "policy.backend", seed: int = 0,
-                   engine_log: str | os.PathLike | None = None) -> Iterator[Any]:
+                   engine_log: str | os.PathLike | None = None) -> Iterator[BaseSampler]:
     """A sampler for the policy in hf_dir, for the duration of the block: load_in_process() for backend
     in_process; for openai an OpenAISampler over policy.openai.base_urls, or over an engine started from
     policy.openai.command (stopped when the block ends)."""
