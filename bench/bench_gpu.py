@@ -62,11 +62,12 @@ def bench_train_step(args, config, device) -> dict:
 
     from sweet_jax import config_utils
     from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.models.attention import resolve_attention_impl
     from sweet_jax.models.llama import Llama
 
     model = Llama(config, rngs=nnx.Rngs(0))
-    optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
+    optimizer = make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     del model  # its arrays are the state's now, and the step donates them
     loss = config_utils.base_config().loss  # critic, beta 0.1: the trainer's defaults

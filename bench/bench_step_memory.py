@@ -40,6 +40,7 @@ def main():
     import jax
     from sweet_jax import config_utils
     from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.data import batching
     from sweet_jax.models import load_hf
 
@@ -48,7 +49,7 @@ def main():
 
     model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat, scan_layers=a.scan))
     config = model.config
-    optimizer = steps.make_optimizer(1e-5, 100)
+    optimizer = make_optimizer(1e-5, 100)
     state = steps.create_train_state(model, optimizer)
     del model
     rng = np.random.default_rng(0)

@@ -129,12 +129,13 @@ def prepare_jax(a, path, spec):
     import jax
     from sweet_jax import config_utils
     from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.models import load_hf
     from sweet_jax.models.attention import resolve_attention_impl
 
     model = load_hf(path, config_overrides=dict(attention_impl=spec["attn"], remat=spec["remat"],
                                                 attention_block_size=int(spec["block"])))
-    optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
+    optimizer = make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     chunk = None if spec["chunk"] == "auto" else int(spec["chunk"])
     micro = int(spec["micro"]) or steps.auto_micro_batch_size(model.config, (a.pairs, 2, a.seq))

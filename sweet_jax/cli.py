@@ -27,9 +27,8 @@ import sys
 import textwrap
 from typing import Any, Callable, Sequence
 
-from sweet_jax.errors import SweetJaxError, exit_with_error
 from sweet_jax import host_malloc
-from sweet_jax.errors import disk_full, disk_full_message
+from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error
 
 COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
             "pipeline_diagnostics")

@@ -9,10 +9,10 @@ import pathlib
 
 import ml_collections
 
+from sweet_jax import sharding
 from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
 from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig
-from sweet_jax import sharding
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
 

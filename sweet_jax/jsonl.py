@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from typing import Any, Iterable, Iterator
@@ -160,7 +161,6 @@ def read(path, *, partial: str = "error") -> list[dict]:
             numbered = list(_capped_lines(f, str(path), MAX_LINE_BYTES))
         if numbered and not numbered[-1][1].endswith(b"\n") and not _whole_object(numbered[-1][1]):
             n, cut = numbered.pop()
-            import logging
             logging.getLogger(__name__).warning(
                 "%s: %s a half-written last line (%d bytes) left by an interrupted run", path,
                 "truncating" if partial == "repair" else "ignoring", len(cut))
@@ -190,7 +190,6 @@ def _whole_object(raw: bytes) -> bool:
 def _dumps(record: Any) -> str:
     line = json.dumps(record.to_json() if hasattr(record, "to_json") else record, ensure_ascii=False) + "\n"
     if _LONE_SURROGATE.search(line):  # refused on reading; here a last guard, so a final write never fails
-        import logging
         logging.getLogger(__name__).warning("a record holds a lone surrogate; written as U+FFFD")
         line = replace_lone_surrogates(line)
     return line

@@ -15,9 +15,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sweet_jax.errors import SweetJaxError
 

@@ -29,32 +29,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from sweet_jax.commands import launch
-from sweet_jax.train.plan import (GiB, Layout, Topology, extrapolated_plan, fit, make_plan, parse_topology,
+from sweet_jax.train.plan import (GiB, Topology, extrapolated_plan, fit, fit_commands, make_plan, parse_topology,
                                   report)
-
-
-def user_config_args(argv) -> list[str]:
-    """The --config FILE:PRESET and --config.FIELD=VALUE arguments of a command line (both spellings joined)."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" and i + 1 < len(argv):
-            out.append(f"--config={argv[i + 1]}")
-            i += 1
-        elif arg.startswith("--config=") or arg.startswith("--config."):
-            out.append(arg)
-        i += 1
-    return out
-
-
-def fit_commands(argv, layout: Layout, topology_text: str) -> tuple[str, str]:
-    """(the train command, the plan command that checks it) with the user's config arguments and the layout's
-    overrides (which replace the user's own values of those fields)."""
-    fields = {f"--config.{field}" for field, _ in layout.overrides}
-    args = [a for a in user_config_args(argv) if a.split("=", 1)[0] not in fields] + layout.flags
-    shown = " ".join(args)
-    return (f"python -m sweet_jax.train {shown} --workdir WORKDIR",
-            f"python -m sweet_jax.plan {shown} --topology {topology_text}")
 
 
 def main(argv):

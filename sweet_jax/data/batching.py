@@ -25,9 +25,8 @@ import dataclasses
 import logging
 from typing import Iterator, Mapping, Sequence
 
-import numpy as np
-
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from sweet_jax.data.render import Rendered

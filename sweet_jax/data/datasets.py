@@ -18,11 +18,10 @@ import numpy as np
 from etils import epath
 
 from sweet_jax import jsonl
-from sweet_jax.errors import TrainConfigError
-from sweet_jax.data import batching, loading, render, schema
-from sweet_jax.data import pairs as pairs_lib
+from sweet_jax.data import batching, loading, pairs as pairs_lib, render, schema
 from sweet_jax.data.demo import paths as demo_paths
 from sweet_jax.data.schema import PolicyPair, Turn
+from sweet_jax.errors import TrainConfigError
 
 
 @dataclasses.dataclass

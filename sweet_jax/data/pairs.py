@@ -10,14 +10,12 @@ import logging
 from typing import Any, Sequence
 
 import numpy as np
-
 from tqdm import tqdm
 
-from sweet_jax.data.render import (OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, fit_all, render_official_text,
-                                   render_trajectory, reply_from_tokens)
-from sweet_jax.data.tokenizers import end_of_turn_ids
+from sweet_jax.data.render import (LengthStats, OFFICIAL_INFO_TEMPLATE, RenderError, Rendered, end_of_turn_token,
+                                   fit_all, render_official_text, render_trajectory, reply_from_tokens)
 from sweet_jax.data.schema import DataError, Trajectory
-from sweet_jax.data.render import RenderError, end_of_turn_token
+from sweet_jax.data.tokenizers import end_of_turn_ids
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,8 @@ How a page is contained:
 """
 from __future__ import annotations
 
+import base64
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -38,6 +40,7 @@ import logging
 import os
 import queue
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -103,8 +106,6 @@ class PageServer:
     """The browsers' proxy: serves the pages being rendered and the placeholder image; refuses all else."""
 
     def __init__(self):
-        import collections
-
         self.pages: dict[str, bytes] = {}          # host -> HTML (only while its page renders)
         self.refused: collections.deque[str] = collections.deque(maxlen=REFUSED_KEPT)  # the last request lines
         self.refused_count = 0                     # refused requests in all
@@ -232,8 +233,6 @@ def memory_bound(limit_mb: int, cgroups=None):
     """(preexec_fn for the browser's Popen, cleanup): the browser and every process it starts in a memory cgroup
     of limit_mb where `cgroups` (sandbox's _MemoryCgroups) can make one, else each of its processes under an
     RLIMIT_DATA of limit_mb. cleanup removes the cgroup once the browser is gone."""
-    import resource
-
     path = cgroups.create(limit_mb) if cgroups is not None and cgroups.available else None
     if path is not None:
         procs = os.path.join(path, "cgroup.procs")
@@ -320,8 +319,6 @@ class Renderer:
         release()
 
     def _screenshot(self, url: str) -> bytes:
-        import base64
-
         driver = self._driver
         driver.get(url)
         metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})

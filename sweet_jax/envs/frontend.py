@@ -22,17 +22,16 @@ import re
 import threading
 from typing import Any, Sequence
 
-import numpy as np
-
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from sweet_jax.data.frontend import extract_html
+from sweet_jax.envs.browser import RendererPool
+from sweet_jax.envs.clip_reward import ClipReward
 from sweet_jax.envs.colbench import ColBenchEnv, task_field
 from sweet_jax.envs.prompts import ANSWER_MARKER
 from sweet_jax.envs.simulators import OpenAISimulator, Simulator, SimulatorError
-from sweet_jax.envs.browser import RendererPool
-from sweet_jax.envs.clip_reward import ClipReward
 from sweet_jax.models.clip import CLIPVision, CLIPVisionConfig, load_clip_hf
 
 FRONTEND_RESPONSE_CHAR_LIMIT = 1000   # the official frontend simulator's reply limit

@@ -21,10 +21,10 @@ from typing import Any, Callable, Sequence
 
 import openai
 
+from sweet_jax import http_bounds
 from sweet_jax.envs.colbench import hidden_information, task_field
 from sweet_jax.envs.prompts import SIMULATOR_PROMPT, SIMULATOR_SYSTEM_PROMPT, simulator_dialogue_text
 from sweet_jax.errors import SweetJaxError
-from sweet_jax import http_bounds
 from sweet_jax.jsonl import replace_lone_surrogates
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,6 @@ def bounded_http_client(timeout_s: float, max_bytes: int):
     """An HTTP client for the openai library whose every request has timeout_s in all (not per socket read) and
     an answer of at most max_bytes (sweet_jax.http_bounds); past either it fails like a timeout, and is retried."""
     import httpx2
-
 
     class BoundedTransport(httpx2.HTTPTransport):
         def handle_request(self, request):

@@ -33,8 +33,8 @@ import random
 import re
 from typing import Any, Mapping, Sequence
 
-from sweet_jax.errors import SweetJaxError
 from sweet_jax.envs import ColBenchEnv, ScriptedSimulator
+from sweet_jax.errors import SweetJaxError
 
 
 class SyntheticTaskError(SweetJaxError):

@@ -1,6 +1,6 @@
 """Flax NNX Llama family and its Hugging Face import/export."""
+from sweet_jax.models.hf import HFCheckpointError, load_hf, save_hf
 from sweet_jax.models.llama import Llama, LlamaConfig, positions_from_mask
-from sweet_jax.models.hf import load_hf, save_hf, HFCheckpointError
 
 __all__ = ["Llama", "LlamaConfig", "positions_from_mask", "load_hf", "save_hf", "HFCheckpointError", "load_gguf",
            "load_gguf_tokenizer"]

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from safetensors import safe_open
 
 

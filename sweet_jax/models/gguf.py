@@ -19,15 +19,13 @@ import re
 import warnings
 from typing import Iterable
 
-import numpy as np
-
 import gguf
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from sweet_jax.models.hf import HFCheckpointError, UnsupportedModelError, load_params, save_hf
-from sweet_jax.models.llama import Llama, LlamaConfig
 from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN, TokenizerError, check_chat_template
-from sweet_jax.models.llama import rope_inv_freq
+from sweet_jax.models.hf import HFCheckpointError, UnsupportedModelError, load_params, save_hf
+from sweet_jax.models.llama import Llama, LlamaConfig, rope_inv_freq
 
 
 class GGUFError(HFCheckpointError):

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from jax.experimental import multihost_utils
-
-from sweet_jax.errors import SweetJaxError
-from sweet_jax.models.llama import ROPE_TYPES, Llama, LlamaConfig
 from sweet_jax import sharding as sharding_lib
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.models.llama import Llama, LlamaConfig, ROPE_TYPES
 
 
 class HFCheckpointError(SweetJaxError):

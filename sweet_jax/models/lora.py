@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from safetensors.numpy import save_file
 
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.models.llama import Dense, Llama
 from sweet_jax.models.hf import hf_name_for
+from sweet_jax.models.llama import Dense, Llama
 
 TARGETS = {"q": ("attn", "q_proj"), "k": ("attn", "k_proj"), "v": ("attn", "v_proj"), "o": ("attn", "o_proj"),
            "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj")}

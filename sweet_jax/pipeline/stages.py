@@ -38,39 +38,35 @@ import logging
 import os
 import pathlib
 import random
+import resource
 import shutil
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import ml_collections
 import numpy as np
-
-import jax
 from flax import nnx
 from tqdm import tqdm
 
-from sweet_jax import jsonl
-from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
-from sweet_jax.errors import SweetJaxError
-from sweet_jax import config_utils
+from sweet_jax import config_utils, jsonl
 from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
 from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
 from sweet_jax.data.frontend import load_frontend_tasks
-from sweet_jax.data.pairs import trajectory_pairs
 from sweet_jax.data.loading import load_records
+from sweet_jax.data.pairs import trajectory_pairs
 from sweet_jax.data.schema import CandidatesRecord, PolicyPair
 from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
 from sweet_jax.envs import synthetic
 from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack, frontend_evaluation, scripted_design_trajectories
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.models import Llama, LlamaConfig, load_hf, save_hf
 from sweet_jax.rl import diagnostics, diagnostics as diagnostics_lib, ranking, results as results_lib
 from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulator, rollout, summarize
-from sweet_jax.sampling import policy_backend
+from sweet_jax.sampling import generate, policy_backend
 from sweet_jax.sandbox import Evaluator
-from sweet_jax.train import rundir, trainer
-from sweet_jax.train import export as run_export
-from sweet_jax.sampling import generate
-from sweet_jax.train import model_loading
+from sweet_jax.train import export as run_export, model_loading, rundir, trainer
 from sweet_jax.train.rundir import CHECKPOINT_DIR
 
 log = logging.getLogger("sweet_jax.pipeline")
@@ -161,7 +157,6 @@ class Run:
 
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (user + system)."""
-    import resource
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -403,7 +398,6 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
     if config.init.kind == "sft" and config.tasks.source != "synthetic":
         raise PipelineError("config.init.kind='sft' trains on scripted demonstrations of the synthetic task "
                             "family; with tasks.source='files' set init.kind='path' and init.path")
-
 
     if config.init.kind == "random":  # no demonstrations: the run shows the mechanics with an untrained policy
         model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))

@@ -25,10 +25,9 @@ import re
 from typing import Sequence
 
 from sweet_jax import jsonl
-from sweet_jax.envs import synthetic
 from sweet_jax.data.loading import load_records
 from sweet_jax.data.schema import PolicyPair
-from sweet_jax.envs import ANSWER_MARKER
+from sweet_jax.envs import ANSWER_MARKER, synthetic
 
 TURN_COST = 0.01
 MAX_TURNS = 10          # the environment's default turn limit (envs.ColBenchEnv)

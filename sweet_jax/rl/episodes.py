@@ -28,25 +28,22 @@ import pathlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
-
 from tqdm import tqdm
 
-from sweet_jax.envs import (AGENT_PROMPT, NO_ANSWER, ColBenchEnv, ModelSimulator, OpenAISimulator, ScriptedSimulator,
-                            Simulator, SimulatorError, task_field, task_json)
 from sweet_jax import jsonl
-from sweet_jax.errors import SweetJaxError
+from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 from sweet_jax.data import demo, frontend as frontend_data, loading
 from sweet_jax.data.tokenizers import apply_chat_template
+from sweet_jax.envs import (AGENT_PROMPT, ColBenchEnv, ModelSimulator, NO_ANSWER, OpenAISimulator, ScriptedSimulator,
+                            Simulator, SimulatorError, task_field, task_json)
 from sweet_jax.envs.frontend import FRONTEND_AGENT_PROMPT, FrontendEnv, FrontendTrack
 from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
 from sweet_jax.envs.synthetic import simulator_reply
-from sweet_jax.sandbox import Evaluator
-from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
-from sweet_jax.sampling import policy_backend
-from sweet_jax.train import rundir
-from sweet_jax.sampling import generate
-from sweet_jax.train import model_loading
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.sampling import generate, policy_backend
 from sweet_jax.sampling.base import BaseSampler
+from sweet_jax.sandbox import Evaluator
+from sweet_jax.train import model_loading, rundir
 
 log = logging.getLogger("sweet_jax.rollout")
 

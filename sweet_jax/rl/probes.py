@@ -23,18 +23,16 @@ from typing import Sequence
 import ml_collections
 import numpy as np
 
-from sweet_jax.rl import diagnostics, ranking
-from sweet_jax.envs import synthetic
-from sweet_jax.data.tokenizers import pad_id
-from sweet_jax.envs import ANSWER_MARKER
 from sweet_jax.data import render
-from sweet_jax.train.rundir import CHECKPOINT_DIR
 from sweet_jax.data.loading import load_trajectories
 from sweet_jax.data.pairs import trajectory_pairs
-from sweet_jax.data.tokenizers import load_tokenizer
+from sweet_jax.data.tokenizers import load_tokenizer, pad_id
+from sweet_jax.envs import ANSWER_MARKER, synthetic
 from sweet_jax.envs.prompts import AGENT_PROMPT
 from sweet_jax.models import load_hf
+from sweet_jax.rl import diagnostics, ranking
 from sweet_jax.train import model_loading
+from sweet_jax.train.rundir import CHECKPOINT_DIR
 
 
 _SCORE_STEPS: dict = {}

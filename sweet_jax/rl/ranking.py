@@ -28,28 +28,24 @@ import logging
 import pathlib
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 import jax
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sweet_jax.rl import diagnostics
-from sweet_jax.data.schema import PolicyPair
-from sweet_jax.errors import SweetJaxError
 from sweet_jax import jsonl
 from sweet_jax.config_utils import RANK_RANGES, check_ranges
 from sweet_jax.data import demo, loading, render, tokenizers
 from sweet_jax.data.pairs import policy_pairs
 from sweet_jax.data.render import RenderError
-from sweet_jax.data.schema import Turn
+from sweet_jax.data.schema import PolicyPair, Turn
 from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
-from sweet_jax.sampling import policy_backend
-from sweet_jax.train import rundir, steps
-from sweet_jax.sampling import generate
-from sweet_jax.train import model_loading
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.rl import diagnostics
+from sweet_jax.sampling import generate, policy_backend
 from sweet_jax.sampling.base import BaseSampler
+from sweet_jax.train import model_loading, rundir, steps
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +374,6 @@ OPERATIONAL_FIELDS = ("progress", "output", "score_batch_size", "prompts_per_bat
 def record_config(config, *, accept_config_change: bool = False) -> list:
     """OUTPUT.config.json: the config that produced the pairs in OUTPUT (rundir.record_config's rule: a rerun
     with another config is refused while OUTPUT holds pairs, unless accept_config_change records the change)."""
-    import pathlib
-
     out = pathlib.Path(config.output)
     produced = out.exists() and bool(jsonl.read(out, partial="drop"))
     return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,

@@ -46,18 +46,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from sweet_jax.errors import SweetJaxError
-from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
-from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 from sweet_jax import sharding
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
-from sweet_jax.models import positions_from_mask
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.models import load_hf, positions_from_mask
+from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
+from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
 from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
-from sweet_jax.models import load_hf
 from sweet_jax.train.model_loading import is_hf_checkpoint, is_training_run, load_model, load_tokenizer_for
 from sweet_jax.train.rundir import read_config
 
@@ -239,7 +237,6 @@ def _constrain_batch(tree, mesh, rows: int):
     (HEADS_MAJOR_CACHE), heads over 'tensor' like the k/v projections that write them."""
     if mesh is None:
         return tree
-
 
     def constrain(path, x):
         if not hasattr(x, "ndim") or x.ndim == 0 or x.shape[0] != rows:

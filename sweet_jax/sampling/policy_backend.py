@@ -34,6 +34,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import pathlib
 import shlex
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import ml_collections
@@ -52,9 +54,9 @@ import urllib3
 from requests.utils import DEFAULT_CA_BUNDLE_PATH
 from tqdm import tqdm
 
-from sweet_jax.errors import SweetJaxError
 from sweet_jax import http_bounds
 from sweet_jax.data.tokenizers import load_tokenizer
+from sweet_jax.errors import SweetJaxError
 from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
 
 log = logging.getLogger(__name__)
@@ -207,9 +209,6 @@ class OpenAISampler(BaseSampler):
                  max_position_embeddings: int = 2**31 - 1, api_key: str = "EMPTY", concurrency: int = 64,
                  max_retries: int = 5, backoff_s: float = 1.0, max_backoff_s: float = 30.0, timeout_s: float = 600.0,
                  engine: Engine | None = None, seed: int = 0, vocab_size: int | None = None):
-        import types
-
-
         if not base_urls:
             raise PolicyBackendError("policy.openai: set base_urls (running engines) or command (an engine to "
                                      "start) for policy.backend='openai'")
@@ -429,8 +428,6 @@ class OpenAISampler(BaseSampler):
 
     def _checked_logprobs(self, ids: list[int], logprobs: list, max_tokens: int) -> list[float]:
         """One finite log-prob <= 0 per token, ids in [0, vocab_size), at most max_tokens of them (AnswerError)."""
-        import math
-
         if len(ids) > max_tokens:
             raise AnswerError(f"the engine returned {len(ids)} tokens for max_tokens={max_tokens}")
         if len(logprobs) != len(ids):

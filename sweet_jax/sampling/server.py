@@ -58,9 +58,8 @@ import time
 import uuid
 
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.sampling.generate import GenerateError, Request, Sample, Sampler, SamplingParams
-from sweet_jax.sampling.generate import bucket_length
 from sweet_jax.sampling import generate
+from sweet_jax.sampling.generate import GenerateError, Request, Sample, Sampler, SamplingParams, bucket_length
 from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-
 from jax.experimental import multihost_utils
 
 from sweet_jax.errors import SweetJaxError

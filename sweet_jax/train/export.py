@@ -2,6 +2,7 @@
 the library of `python -m sweet_jax.export`."""
 from __future__ import annotations
 
+import logging
 import pathlib
 
 from sweet_jax.models import lora, save_hf
@@ -14,8 +15,6 @@ def export_run(workdir, out, *, step: int | None = None, dtype: str | None = Non
     """A training run's parameters (latest readable checkpoint, or `step`) as a Hugging Face checkpoint in `out`,
     with the run's tokenizer files: what transformers and vLLM load. A LoRA run is exported with its adapters
     merged in, and with peft_out also as a PEFT adapter for the base model."""
-    import logging
-
     log = logging.getLogger("sweet_jax.export")
     model, got_step, config = restore_model(workdir, step)
     if lora.has_adapters(model):

@@ -6,6 +6,7 @@ number, so its float32 matmul peak is measured once at start-up (a short jitted 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -136,8 +137,6 @@ class WandbWriter:
 
     def __init__(self, logdir: pathlib.Path, *, project: str = "sweet_jax", mode: str = "offline", group: str = "",
                  name: str = "", config: dict | None = None):
-        import hashlib
-
         import wandb   # ImportError: the caller says so and goes on without W&B
         run_id = hashlib.sha1(str(logdir.resolve()).encode()).hexdigest()[:16]
         self._run = wandb.init(project=project or "sweet_jax", mode=mode or "offline", group=group or None,

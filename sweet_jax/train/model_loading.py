@@ -6,6 +6,7 @@ vocabulary from the tokenizer). `load_model` loads one; sweet_jax.sampling.gener
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pathlib
@@ -28,7 +29,6 @@ def demo_paths():
     return demo.paths()
 
 
-
 def tokenizer_dir(*choices) -> str:
     """The tokenizer directory: the first non-empty of `choices` (tokenizer or model directories, in order of
     preference), else the bundled demo tokenizer (the demo tiny model's)."""
@@ -38,17 +38,14 @@ def tokenizer_dir(*choices) -> str:
     return str(demo_paths().tokenizer)
 
 
-
 def tokenizer_path(config) -> str:
     """A training config's tokenizer: data.tokenizer, else model.path, else the bundled demo tokenizer."""
     return tokenizer_dir(config.data.tokenizer, config.model.path)
 
 
-
 def initialize_distributed() -> bool:
     """sharding.initialize_distributed: jax.distributed when this is one process of several."""
     return sharding.initialize_distributed()
-
 
 
 def make_mesh(shape, *, field: str = "config.mesh.shape"):
@@ -67,7 +64,6 @@ def make_mesh(shape, *, field: str = "config.mesh.shape"):
     return sharding.make_mesh(shape)
 
 
-
 def model_config(config, vocab_size: int, tokenizer=None):
     """The LlamaConfig of a training config: from model.path's config.json, or the named preset (demo: tiny,
     whose vocabulary and bos/eos come from the tokenizer so an exported demo model generates and stops)."""
@@ -81,12 +77,10 @@ def model_config(config, vocab_size: int, tokenizer=None):
     return LlamaConfig.preset(config.model.preset, **overrides)
 
 
-
 def demo_token_ids(tokenizer) -> dict:
     """bos/eos of the tiny demo model, from its tokenizer (eos: every end-of-turn token)."""
     eos = tuple(sorted(end_of_turn_ids(tokenizer)))
     return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos)
-
 
 
 def is_hf_checkpoint(path) -> bool:
@@ -94,12 +88,10 @@ def is_hf_checkpoint(path) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-
 def is_training_run(path) -> bool:
     """A sweet_jax.train run directory (checkpoints/ + the run's config.json), not a HF checkpoint."""
     p = pathlib.Path(os.fspath(path))
     return (p / CHECKPOINT_DIR).is_dir() and (p / CONFIG_FILE).is_file() and not any(p.glob("*.safetensors"))
-
 
 
 def build_model(config, llama_config, mesh):
@@ -121,12 +113,10 @@ def build_model(config, llama_config, mesh):
     return with_adapters(nnx.merge(graphdef, state))
 
 
-
 def lora_trainable(config):
     """What a run trains (steps.create_train_state's filter): nnx.LoRAParam, the adapters, when config.lora.rank
     > 0; else every nnx.Param."""
     return nnx.LoRAParam if LoRAConfig.from_config(config.get("lora")).enabled else nnx.Param
-
 
 
 def restore_model(workdir, step: int | None = None):
@@ -157,13 +147,11 @@ def restore_model(workdir, step: int | None = None):
     return nnx.merge(graphdef, items["params"], rest), got_step, config
 
 
-
 def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None, *, chat_template: bool = True):
     """The tokenizer that goes with a model path: `tokenizer` when given, else the checkpoint's own files,
     the training run's tokenizer, or the demo tokenizer for ''."""
     directory = tokenizer_dir(tokenizer, tokenizer_path(run_config) if run_config is not None else path)
     return load_tokenizer(directory, require_chat_template=chat_template)
-
 
 
 def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None, seed: int = 0,
@@ -185,7 +173,6 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
         return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
     if is_training_run(p):
         model, step, run_config = restore_model(p)
-        import logging
         logging.getLogger(__name__).info("%s: step %d of the training run %s", what, step, p)
         return model, run_config
     raise RunDirError(f"{what} path {path}: neither a Hugging Face checkpoint directory (config.json + "

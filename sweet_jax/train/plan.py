@@ -5,6 +5,7 @@ layouts (fit_layouts, cheapest first). The command line: sweet_jax.commands.plan
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import pathlib
@@ -18,15 +19,16 @@ import numpy as np
 from flax import nnx
 from jax.experimental import topologies
 
-from sweet_jax.errors import SweetJaxError
 from sweet_jax import sharding
 from sweet_jax.config_utils import model_overrides
+from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import Llama, LlamaConfig
 from sweet_jax.models.attention import resolve_attention_impl
 from sweet_jax.models.hf import read_hf_config
 from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig, add_adapters
 from sweet_jax.train import steps
+from sweet_jax.train.optimizer import optimizer_from_config
 
 GiB = 1024 ** 3
 LOCAL = "local"   # --topology local: compile for the devices attached to this host (e.g. a GPU)
@@ -229,7 +231,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
         print(f"mesh: {why}", file=sys.stderr, flush=True)
 
     # Sharded abstract state and batch
-    optimizer, lr_schedule = steps.optimizer_from_config(config.optim, 1000)
+    optimizer, lr_schedule = optimizer_from_config(config.optim, 1000)
     lora = LoRAConfig.from_config(config.get("lora"))  # rank > 0: adapters trained, the base frozen
     state = steps.abstract_train_state(lambda: add_adapters(Llama(mcfg, rngs=nnx.Rngs(0)), lora), optimizer, mesh,
                                        trainable=nnx.LoRAParam if lora.enabled else nnx.Param,
@@ -390,8 +392,6 @@ def fit_layouts(config, topology: Topology) -> list[Layout]:
     fewer changes first): scan_layers, bf16 moments, remat of every layer, micro-batches (halvings of the batch),
     sequence parallelism over a 'tensor' axis of 2, 4, 8 (with the batch over the rest of the chips), and the
     optimiser state in host memory (not on a CPU: the same RAM)."""
-    import itertools
-
     n = topology.num_chips
     mcfg = llama_config(config, for_tpu=topology.chip != LOCAL)
     B = int(config.train.batch_size)
@@ -462,3 +462,28 @@ def _size(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------
+
+
+def user_config_args(argv) -> list[str]:
+    """The --config FILE:PRESET and --config.FIELD=VALUE arguments of a command line (both spellings joined)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+            i += 1
+        elif arg.startswith("--config=") or arg.startswith("--config."):
+            out.append(arg)
+        i += 1
+    return out
+
+
+
+def fit_commands(argv, layout: Layout, topology_text: str) -> tuple[str, str]:
+    """(the train command, the plan command that checks it) with the user's config arguments and the layout's
+    overrides (which replace the user's own values of those fields)."""
+    fields = {f"--config.{field}" for field, _ in layout.overrides}
+    args = [a for a in user_config_args(argv) if a.split("=", 1)[0] not in fields] + layout.flags
+    shown = " ".join(args)
+    return (f"python -m sweet_jax.train {shown} --workdir WORKDIR",
+            f"python -m sweet_jax.plan {shown} --topology {topology_text}")

@@ -19,20 +19,22 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import logging
 import os
 import pathlib
 import subprocess
 import sys
+from importlib import metadata
 from typing import Any
 
 import jax
 import ml_collections
 from etils import epath
 
-from sweet_jax.errors import SweetJaxError
 from sweet_jax import config_utils, jsonl
+from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write_atomic
 
 CONFIG_FILE = "config.json"
@@ -93,7 +95,6 @@ def workdir_lock(workdir):
     if "://" in str(workdir):
         yield
         return
-    import fcntl
 
     workdir.mkdir(parents=True, exist_ok=True)
     path = os.path.join(os.fspath(workdir), ".lock")
@@ -269,7 +270,6 @@ def git_revision(directory: pathlib.Path | None = None) -> str | None:
 
 
 def package_versions() -> dict[str, str | None]:
-    from importlib import metadata
     out = {}
     for name in PACKAGES:
         try:

@@ -17,24 +17,21 @@ import signal
 import tempfile
 import time
 
+import jax
 import ml_collections
 import numpy as np
-
-import jax
 from etils import epath
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from sweet_jax import cli, host_malloc
-from sweet_jax.train import rundir
-from sweet_jax.train import model_loading
+from sweet_jax import cli, host_malloc, sharding
 from sweet_jax.config_utils import TrainConfigError, check_config
-from sweet_jax.errors import SweetJaxError
-from sweet_jax.train.rundir import CHECKPOINT_DIR
-from sweet_jax import sharding
 from sweet_jax.data.datasets import build_datasets
 from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
-from sweet_jax.train import checkpoint, metrics as metrics_lib, passes, steps
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.train import checkpoint, metrics as metrics_lib, model_loading, passes, rundir, steps
+from sweet_jax.train.optimizer import make_schedule, optimizer_from_config
+from sweet_jax.train.rundir import CHECKPOINT_DIR
 
 log = logging.getLogger("sweet_jax.train")
 
@@ -72,9 +69,9 @@ def schedule_change(optim, saved_total: int | None, total: int, step: int) -> st
     finished run extended restarts the decay). None when the length is the same."""
     if not saved_total or saved_total == total:
         return None
-    was = float(steps.make_schedule(optim.lr, saved_total, warmup_ratio=optim.warmup_ratio,
+    was = float(make_schedule(optim.lr, saved_total, warmup_ratio=optim.warmup_ratio,
                                     final_ratio=optim.final_ratio)(step))
-    now = float(steps.make_schedule(optim.lr, total, warmup_ratio=optim.warmup_ratio,
+    now = float(make_schedule(optim.lr, total, warmup_ratio=optim.warmup_ratio,
                                     final_ratio=optim.final_ratio)(step))
     return (f"the run was made for {saved_total} steps and now has {total}: its learning-rate schedule (warm-up, "
             f"then cosine to {optim.final_ratio} x lr) is laid over the new length, so at step {step} the lr jumps "
@@ -203,7 +200,7 @@ class Trainer:
         check_vocab(self.llama_config.vocab_size, tokenizer, model=f"config.model.path={config.model.path!r}",
                     where=f"the tokenizer {model_loading.tokenizer_path(config)}")
         model = model_loading.build_model(config, self.llama_config, mesh)
-        optimizer, lr_schedule = steps.optimizer_from_config(config.optim, self.total_steps)
+        optimizer, lr_schedule = optimizer_from_config(config.optim, self.total_steps)
         self.state = steps.create_train_state(model, optimizer, mesh, trainable=model_loading.lora_trainable(config),
                                               offload_opt_state=config.optim.get("offload_state", False))
         del model
