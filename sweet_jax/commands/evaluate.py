@@ -94,7 +94,8 @@ def main(argv=None):
 
 define_flags = None  # main parses its own argv (cli.ArgumentParser)
 
+
 HELP_CONFIGS = ()
 
 if __name__ == "__main__":
-    launch('evaluate')
+    launch("evaluate")

@@ -32,7 +32,8 @@ def main(argv=None) -> None:
 
 define_flags = None  # main parses its own argv (cli.ArgumentParser)
 
+
 HELP_CONFIGS = ()
 
 if __name__ == "__main__":
-    launch('gguf')
+    launch("gguf")

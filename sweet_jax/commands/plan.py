@@ -83,6 +83,5 @@ def define_flags():
 
 HELP_CONFIGS = ("configs/critic.py:llama3_8b", "configs/policy.py:llama3_8b")
 
-
 if __name__ == "__main__":
     launch("plan")

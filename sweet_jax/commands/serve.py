@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
 
 define_flags = None  # main parses its own argv (cli.ArgumentParser)
 
+
 HELP_CONFIGS = ()
 
 if __name__ == "__main__":
-    launch('serve')
+    launch("serve")
