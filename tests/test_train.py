@@ -222,7 +222,7 @@ def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
 # next step starts, and which hangs when step {step} is done (its saves durable) until it is killed.
 HANG_AFTER_STEP = """
 import runpy, sys, time
-from sweet_jax import checkpoint, steps
+from sweet_jax.train import checkpoint, steps
 save = checkpoint.Checkpointer.save
 checkpoint.Checkpointer.save = lambda self, *a, **k: save(self, *a, **dict(k, wait=True))
 make_step = steps.make_step

@@ -55,8 +55,6 @@ import time
 import warnings
 from typing import Any
 
-import tqdm
-
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox import protocol
 
@@ -501,6 +499,8 @@ class Evaluator:
                           else None for job in jobs]
         bar = None
         if progress:
+            import tqdm  # here only: the sandbox package imports nothing but the standard library and numpy
+
             bar = tqdm.tqdm(total=len(jobs), desc="sandbox", unit="eval")
         scores = []
         for job, future in zip(jobs, answer_futures):
