@@ -9,8 +9,8 @@ in training) + backward + clip + AdamW, exactly the trainer's step (`steps.make_
 `steps.loss_spec`). Random weights (no download): the shapes are what matter for speed. Parameters and AdamW moments in float32, compute in bfloat16 (--dtype),
 attention "auto" (cuDNN flash attention on GPU for 16-bit compute). MFU = model FLOPs (6 x matmul params +
 12 x layers x heads x head_dim x T per token: no recompute, causal mask not discounted) / step time / the
-device's dense bf16 peak from sweet_jax.metrics (989 TFLOP/s for an H100 SXM); on CPU (--smoke) the peak is a
-measured float32 matmul. Sampler: `sweet_jax.generate.Sampler`, greedy, every row forced to --new-tokens
+device's dense bf16 peak from sweet_jax.train.metrics (989 TFLOP/s for an H100 SXM); on CPU (--smoke) the peak is a
+measured float32 matmul. Sampler: `sweet_jax.sampling.generate.Sampler`, greedy, every row forced to --new-tokens
 (eos ignored), one warm-up call (compilation) then the best of --repeats timed calls. Target (DESIGN.md):
 >= 45% MFU on one H100.
 """
@@ -46,13 +46,13 @@ def model_config(args):
 
 
 def peak_flops(device) -> tuple[float, str]:
-    from sweet_jax import metrics
+    from sweet_jax.train import metrics
     if device.platform == "cpu":
         peak = metrics.measure_cpu_matmul_peak()
         return peak, f"measured CPU float32 matmul {peak / 1e9:.1f} GFLOP/s"
     peak = metrics.known_peak_flops(device.device_kind)
     if peak is None:
-        return math.nan, f"unknown device kind {device.device_kind!r} (add it to sweet_jax.metrics.PEAK_FLOPS)"
+        return math.nan, f"unknown device kind {device.device_kind!r} (add it to sweet_jax.train.metrics.PEAK_FLOPS)"
     return peak, f"{device.device_kind}: {peak / 1e12:.0f} TFLOP/s dense bf16"
 
 
@@ -60,12 +60,14 @@ def bench_train_step(args, config, device) -> dict:
     import jax
     from flax import nnx
 
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.models.attention import resolve_attention_impl
     from sweet_jax.models.llama import Llama
 
     model = Llama(config, rngs=nnx.Rngs(0))
-    optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
+    optimizer = make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     del model  # its arrays are the state's now, and the step donates them
     loss = config_utils.base_config().loss  # critic, beta 0.1: the trainer's defaults
@@ -97,7 +99,7 @@ def bench_train_step(args, config, device) -> dict:
 def bench_sampler(args, config) -> dict:
     from flax import nnx
 
-    from sweet_jax.generate import Sampler
+    from sweet_jax.sampling.generate import Sampler
     from sweet_jax.models.llama import Llama
 
     # Inference weights in the compute dtype (what a rollout worker holds).

@@ -60,7 +60,9 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     from transformers import AutoTokenizer
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.models import load_hf
 
     tokenizer = AutoTokenizer.from_pretrained(a.model)
@@ -72,7 +74,7 @@ def main():
     for name, host_loop in (("one program", False), ("host loop", True)):
         # Its own copy of the weights: each step donates its state.
         model = load_hf(a.model, config_overrides=dict(remat=a.remat, scan_layers=True))
-        optimizer = steps.make_optimizer(1e-5, 100, warmup_ratio=0.0)
+        optimizer = make_optimizer(1e-5, 100, warmup_ratio=0.0)
         state = steps.create_train_state(model, optimizer)
         step = steps.make_step(spec, state, optimizer, micro_batch_size=a.micro, host_loop=host_loop,
                                length_multiple=a.bucket)

@@ -4,7 +4,7 @@
     python bench/bench_logprob_memory.py --measure       # also run each variant in its own process, peak RSS
 
 The naive path materialises [T, V] float32 logits (8192 x 128256 x 4 B = 3.9 GiB) and its log-softmax;
-sweet_jax.losses.token_logprobs scans over sequence chunks and rematerialises each chunk's logits in the
+sweet_jax.train.losses.token_logprobs scans over sequence chunks and rematerialises each chunk's logits in the
 backward pass. Memory is XLA's own accounting of the compiled program (temps = everything that is not an
 input or output), so it is the same number the TPU fit check (sweet_jax.plan) reads. Target: chunked <= 1/4.
 """
@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from sweet_jax import losses  # noqa: E402
+from sweet_jax.train import losses  # noqa: E402
 
 GiB = 1024 ** 3
 

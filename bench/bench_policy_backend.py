@@ -46,7 +46,7 @@ from bench_serve import build_model  # noqa: E402  (the same tiny HF model; this
 
 
 def turn_prompts(count: int):
-    from sweet_jax import ranking
+    from sweet_jax.rl import ranking
     from sweet_jax.data.schema import Trajectory
 
     rows = [Trajectory.from_json({
@@ -81,14 +81,16 @@ def main() -> None:
                         help="the server on a thread of this process over the same Sampler, or its own process")
     args = parser.parse_args()
 
-    from sweet_jax import policy_backend, ranking, rundir
-    from sweet_jax.serve import start_server
+    from sweet_jax.sampling import policy_backend
+    from sweet_jax.rl import ranking
+    from sweet_jax.sampling import generate
+    from sweet_jax.sampling.server import start_server
 
     model_dir = args.model
     if not model_dir:
         model_dir = tempfile.mkdtemp(prefix="bench_policy_backend_")
         build_model(model_dir)
-    sampler = rundir.load_sampler(model_dir, max_batch_size=64)
+    sampler = generate.load_sampler(model_dir, max_batch_size=64)
     eos, context = policy_backend.hf_eos_ids(model_dir)
     prompts = turn_prompts(args.prompts)
     kw = dict(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0, seed=7)

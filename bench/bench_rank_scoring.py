@@ -30,8 +30,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    from sweet_jax import ranking
-    from sweet_jax.data.schema import CandidatesRecord, Trajectory, load_records
+    from sweet_jax.rl import ranking
+    from sweet_jax.data.loading import load_records
+    from sweet_jax.data.schema import CandidatesRecord, Trajectory
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import load_hf
 

@@ -115,7 +115,7 @@ def run_row(name: str, row: Row, args) -> dict:
     import numpy as np
     import torch
 
-    from sweet_jax.generate import Sampler
+    from sweet_jax.sampling.generate import Sampler
     from sweet_jax.models import load_hf
 
     rng = np.random.default_rng(0)
@@ -211,7 +211,7 @@ def model_child(args) -> None:
     prompts = chat_prompts(args.model, args._batch)
     new = args.new_tokens
     if args._child in ("ours", "ours_xla"):
-        from sweet_jax.generate import Sampler
+        from sweet_jax.sampling.generate import Sampler
         from sweet_jax.models import load_hf
         matmul = args.cpu_matmul if args._child == "ours" else "xla"
         model = load_hf(args.model, dtype=args.dtype, config_overrides={"dtype": args.dtype, "cpu_matmul": matmul,

@@ -38,7 +38,9 @@ def main():
     host_malloc.reexec_with_allocator()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.data import batching
     from sweet_jax.models import load_hf
 
@@ -47,7 +49,7 @@ def main():
 
     model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat, scan_layers=a.scan))
     config = model.config
-    optimizer = steps.make_optimizer(1e-5, 100)
+    optimizer = make_optimizer(1e-5, 100)
     state = steps.create_train_state(model, optimizer)
     del model
     rng = np.random.default_rng(0)

@@ -110,7 +110,7 @@ def save_hf_model(a, path):
 
 def auto_micro(a) -> int:
     """The micro-batch (pairs) the trainer picks for this model and batch shape (steps.auto_micro_batch_size)."""
-    from sweet_jax import steps
+    from sweet_jax.train import steps
     from sweet_jax.models import LlamaConfig
     if a.model:
         from sweet_jax.models.hf import read_hf_config
@@ -130,13 +130,15 @@ def peak_rss():
 
 def prepare_jax(a, path, spec):
     import jax
-    from sweet_jax import config_utils, steps
+    from sweet_jax import config_utils
+    from sweet_jax.train import steps
+    from sweet_jax.train.optimizer import make_optimizer
     from sweet_jax.models import load_hf
     from sweet_jax.models.attention import resolve_attention_impl
 
     model = load_hf(path, config_overrides=dict(attention_impl=spec["attn"], remat=spec["remat"],
                                                 attention_block_size=int(spec["block"]), cpu_matmul=spec["matmul"]))
-    optimizer = steps.make_optimizer(1e-5, 1000, warmup_ratio=0.0)
+    optimizer = make_optimizer(1e-5, 1000, warmup_ratio=0.0)
     state = steps.create_train_state(model, optimizer)
     chunk = None if spec["chunk"] == "auto" else int(spec["chunk"])
     micro = int(spec["micro"]) or steps.auto_micro_batch_size(model.config, (a.pairs, 2, a.seq))

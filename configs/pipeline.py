@@ -2,7 +2,7 @@
 --workdir DIR [--config.field=value ...]`.
 
 Presets:
-  demo         the synthetic lookup-function task (sweet_jax/data/synthetic.py) on CPU: a tiny Llama is first
+  demo         the synthetic lookup-function task (sweet_jax/envs/synthetic.py) on CPU: a tiny Llama is first
                fine-tuned on mixed-quality scripted demonstrations (a weak starting policy), then the whole
                loop and every baseline run, and every policy is evaluated on held-out tasks with the
                scripted human and the sandbox. CPU time per stage: README "Demo results" (the starting
@@ -22,7 +22,8 @@ fields as configs/critic.py and configs/policy.py) with the values below.
 """
 import ml_collections
 
-from sweet_jax import config_utils, policy_backend
+from sweet_jax import config_utils
+from sweet_jax.sampling import policy_backend
 
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_test")
 METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_balanced and
@@ -192,7 +193,7 @@ def get_config(preset: str = "demo"):
 
     # Where the policy samples (offline, candidates and eval stages): in_process, or openai = an inference engine
     # (vLLM, SGLang, python -m sweet_jax.serve) started per policy from policy.openai.command after the policy is
-    # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/policy_backend.py.
+    # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/sampling/policy_backend.py.
     c.policy = ml_collections.ConfigDict()
     c.policy.backend = "in_process"
     c.policy.openai = policy_backend.openai_config()

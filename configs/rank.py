@@ -1,7 +1,7 @@
 """Ranking configs: `python -m sweet_jax.rank --config configs/rank.py:PRESET [--config.field=value]`.
 
 For every assistant turn of the offline trajectories: sample num_candidates replies from the policy,
-score them with the critic (mean critic log-prob with c minus the reference, see sweet_jax/rank.py) and
+score them with the critic (mean critic log-prob with c minus the reference, see sweet_jax/commands/rank.py) and
 write num_pairs (chosen, rejected) pairs per turn for step-level DPO (configs/policy.py, data.pairs).
 
 Presets:
@@ -18,7 +18,7 @@ Presets:
 """
 import ml_collections
 
-from sweet_jax import policy_backend
+from sweet_jax.sampling import policy_backend
 
 # The critic must read c exactly as it was trained: keep these equal to the critic run's data settings.
 OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
@@ -34,7 +34,7 @@ def get_config(preset: str = "demo"):
     c.policy.path = ""            # HF directory of the policy that samples candidates; '' = demo tiny random
     c.policy.tokenizer = ""       # '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"
-    c.policy.backend = "in_process"  # in_process | openai: the candidates from an engine (sweet_jax/policy_backend.py)
+    c.policy.backend = "in_process"  # in_process | openai: the candidates from an engine (sweet_jax/sampling/policy_backend.py)
     c.policy.openai = policy_backend.openai_config()
 
     c.critic = ml_collections.ConfigDict()

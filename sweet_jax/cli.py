@@ -27,7 +27,8 @@ import sys
 import textwrap
 from typing import Any, Callable, Sequence
 
-from sweet_jax.errors import SweetJaxError, exit_with_error
+from sweet_jax import host_malloc
+from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error
 
 COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
             "pipeline_diagnostics")
@@ -60,7 +61,6 @@ def quiet_environment(environ=os.environ, *, dev: str = "/", platform: str = sys
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if platform.startswith("linux") and "JAX_PLATFORMS" not in environ:
-        from sweet_jax import host_malloc
         if not host_malloc.accelerator_present(dev):
             environ["JAX_PLATFORMS"] = "cpu"
 
@@ -177,7 +177,6 @@ def guarded(body: Callable[[], Any]) -> Any:
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 — a full disk is one line; any other exception keeps its traceback
-        from sweet_jax.errors import disk_full, disk_full_message
         full = disk_full(e)
         if full is None:
             raise
@@ -426,19 +425,19 @@ def compile_cache_environment(environ=os.environ) -> None:
 
 
 def run(main: Callable, *, define_flags: Callable[[], None] | None = None, allocator: bool = True,
-        help_configs: Sequence[str] = ()) -> None:
+        help_configs: Sequence[str] = (), module_name: str | None = None) -> None:
     """The `if __name__ == "__main__":` of every command.
 
     main: `main(argv)` (argv without the program name). With define_flags (absl flags), argv holds the
     positional arguments left after the flags; without, main parses argv itself (cli.ArgumentParser).
     allocator: re-execute with the host allocator first (commands that compute; not the report tools).
-    help_configs: config files whose presets --help lists when no --config is given."""
+    help_configs: config files whose presets --help lists when no --config is given.
+    module_name: the command's module, whose docstring --help prints (default: the __main__ module's)."""
     quiet_environment()
     compile_cache_environment()
     if allocator:
-        from sweet_jax import host_malloc
         host_malloc.reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
-    module_name = _calling_module()
+    module_name = module_name or _calling_module()
     if define_flags is None:
         setup_logging()
         code = guarded(lambda: main(sys.argv[1:]))
@@ -503,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         lines = ["usage: sweet-jax COMMAND [FLAGS]   (the same as python -m sweet_jax.COMMAND; COMMAND --help "
                  "lists its flags)", "", "commands:"]
         for name in COMMANDS:
-            first = _module_doc(f"sweet_jax.{name}").strip().splitlines()
+            first = _module_doc(f"sweet_jax.commands.{name}").strip().splitlines()
             lines.append(f"  {name:<22}{first[0] if first else ''}")
         print("\n".join(lines))
         sys.exit(0 if argv else 2)

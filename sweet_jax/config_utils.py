@@ -1,7 +1,7 @@
 """Shared pieces of the training configs (configs/critic.py, configs/policy.py).
 
 Every field a user can type on the command line is created here, once, with its default; a preset
-only changes values. Field names are read by sweet_jax.train, sweet_jax.steps and sweet_jax.data.
+only changes values. Field names are read by sweet_jax.train, sweet_jax.train.steps and sweet_jax.data.
 """
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import pathlib
 
 import ml_collections
 
-from sweet_jax.errors import SweetJaxError
+from sweet_jax import sharding
+from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
+from sweet_jax.models.llama import PRESETS
+from sweet_jax.models.lora import LoRAConfig
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
-
-
-class TrainConfigError(SweetJaxError):
-    """A config value that cannot work; the message names the field and what to set."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -102,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def metrics_config() -> ml_collections.ConfigDict:
-    """Experiment tracking (sweet_jax.metrics.MetricsWriter); metrics.jsonl is always written. Not part of what a
+    """Experiment tracking (sweet_jax.train.metrics.MetricsWriter); metrics.jsonl is always written. Not part of what a
     run is: a rerun may change these freely."""
     c = ml_collections.ConfigDict()
     c.writers = "tensorboard"         # comma-separated: tensorboard (WORKDIR/tensorboard), wandb (pip install wandb)
@@ -280,7 +279,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
     need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
-    from sweet_jax.models.llama import PRESETS
     need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
     need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
@@ -291,7 +289,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
     if "metrics" in config:
-        from sweet_jax.metrics import writer_names
         try:
             writer_names(config.metrics.writers)
         except ValueError as e:
@@ -306,7 +303,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
          "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
     try:
-        from sweet_jax.models.lora import LoRAConfig
         LoRAConfig.from_config(config.get("lora"))
     except SweetJaxError as e:
         raise TrainConfigError(f"config.{e}") from None
@@ -327,14 +323,13 @@ def config_get(config, dotted: str):
 def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:
     """The LlamaConfig fields a training config sets (compute/storage dtypes, remat, attention, layer layout),
     shared by sweet_jax.train and sweet_jax.plan so that the planned step is the trained one."""
-    from sweet_jax.sharding import residual_sharding
     m = config.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),
                 scan_layers=bool(m.scan_layers), cpu_matmul=m.cpu_matmul,
                 # The residual stream's batch over ('data', 'fsdp') always: unconstrained, XLA may follow the
                 # FSDP-sharded embedding instead (the whole batch on every chip, the hidden size split).
-                residual_sharding=residual_sharding(sequence_parallel=bool(m.sequence_parallel)))
+                residual_sharding=sharding.residual_sharding(sequence_parallel=bool(m.sequence_parallel)))
 
 
 def lora_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -404,3 +399,16 @@ def apply_layout(c: ml_collections.ConfigDict, layout: dict) -> ml_collections.C
         section, name = field.split(".")
         c[section][name] = value
     return c
+
+
+WRITERS = ("tensorboard", "wandb")   # metrics.writers: where the scalars go besides metrics.jsonl (always written)
+
+
+
+def writer_names(text: str) -> tuple[str, ...]:
+    """'tensorboard,wandb' -> ('tensorboard', 'wandb'); an unknown name is a ValueError naming the choices."""
+    names = tuple(n.strip() for n in str(text).split(",") if n.strip())
+    unknown = [n for n in names if n not in WRITERS]
+    if unknown:
+        raise ValueError(f"unknown metrics writer {unknown[0]!r}: use a comma-separated list of {', '.join(WRITERS)}")
+    return names

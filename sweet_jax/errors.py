@@ -14,6 +14,11 @@ class SweetJaxError(ValueError):
     """An error caused by the user's input; its message says what, where and what to do."""
 
 
+class TrainConfigError(SweetJaxError):
+    """A config value that cannot work; the message names the field and what to set (raised by config_utils and by
+    the layers below it that read the training config's files, such as data.datasets)."""
+
+
 def exit_with_error(message: str) -> NoReturn:
     """One line `error: ...` on stderr and exit status 2 (a usage error), no traceback."""
     print(f"error: {message}", file=sys.stderr)

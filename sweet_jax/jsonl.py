@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from typing import Any, Iterable, Iterator
+
+from etils import epath
 
 from sweet_jax.errors import SweetJaxError
 
@@ -56,7 +59,6 @@ def replace_lone_surrogates(text: str) -> str:
 
 
 def _path(path):
-    from etils import epath
     return epath.Path(os.fspath(path))
 
 
@@ -159,7 +161,6 @@ def read(path, *, partial: str = "error") -> list[dict]:
             numbered = list(_capped_lines(f, str(path), MAX_LINE_BYTES))
         if numbered and not numbered[-1][1].endswith(b"\n") and not _whole_object(numbered[-1][1]):
             n, cut = numbered.pop()
-            import logging
             logging.getLogger(__name__).warning(
                 "%s: %s a half-written last line (%d bytes) left by an interrupted run", path,
                 "truncating" if partial == "repair" else "ignoring", len(cut))
@@ -189,7 +190,6 @@ def _whole_object(raw: bytes) -> bool:
 def _dumps(record: Any) -> str:
     line = json.dumps(record.to_json() if hasattr(record, "to_json") else record, ensure_ascii=False) + "\n"
     if _LONE_SURROGATE.search(line):  # refused on reading; here a last guard, so a final write never fails
-        import logging
         logging.getLogger(__name__).warning("a record holds a lone surrogate; written as U+FFFD")
         line = replace_lone_surrogates(line)
     return line
@@ -231,4 +231,25 @@ def write(path, records: Iterable[Any]) -> None:
     except BaseException:
         if tmp.exists():
             tmp.unlink()
+        raise
+
+
+def write_atomic(path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it, fsynced and renamed over it: readers and a crash
+    see the old file or the new one, never half of one; a failed write (a full disk) leaves the old file."""
+    path = _path(path)
+    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    try:
+        if "://" in str(path):  # object stores: an upload is whole or absent
+            tmp.write_text(text)
+        else:
+            with open(os.fspath(tmp), "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if tmp.exists():
+                tmp.unlink()
         raise

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sweet_jax.errors import SweetJaxError
@@ -78,7 +79,6 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices=None) -> Mesh:
                         f"but only {len(devices)} are available ({devices[0].platform}).")
     devices = devices[:needed]
     try:
-        from jax.experimental import mesh_utils
         device_array = mesh_utils.create_device_mesh(shape, devices)  # topology-aware on TPU
     except Exception:  # CPU / partial device sets: plain order is as good as any
         device_array = np.asarray(devices, dtype=object).reshape(shape)

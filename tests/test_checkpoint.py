@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sweet_jax.checkpoint import CheckpointError, Checkpointer, abstract_like
+from sweet_jax.train.checkpoint import CheckpointError, Checkpointer, abstract_like
 
 
 def make_items(scale: float = 1.0):
@@ -63,7 +63,7 @@ def test_truncated_latest_falls_back_to_the_previous_with_a_warning(tmp_path, ca
         ckpt.save(step, make_items(step), {"tag": step})
     ckpt.wait()
     truncate_arrays(tmp_path / "ckpt" / "2")
-    with caplog.at_level(logging.WARNING, logger="sweet_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sweet_jax.train.checkpoint"):
         step, restored, meta = Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
     assert step == 1 and meta["tag"] == 1
     np.testing.assert_array_equal(restored["params"]["b"], np.full((32,), 1.0))

@@ -141,8 +141,8 @@ def test_an_integer_field_refuses_a_bool_or_a_float():
 @pytest.mark.parametrize("field, value", [("simulator.timeout_s", 0.0), ("sampling.top_p", 2.0),
                                           ("policy.openai.max_retries", -1), ("best_of", 0), ("max_turns", 0)])
 def test_a_rollout_field_out_of_range_is_refused_before_anything_starts(field, value):
-    from sweet_jax import rollout
-    from sweet_jax.collect import RolloutError
+    from sweet_jax.rl import episodes as rollout
+    from sweet_jax.rl.episodes import RolloutError
     c = parse(f"--config={REPO}/configs/rollout.py:demo")
     c.unlock()
     *sections, name = field.split(".")
@@ -155,7 +155,7 @@ def test_a_rollout_field_out_of_range_is_refused_before_anything_starts(field, v
 
 
 def test_a_pipeline_field_out_of_range_is_refused_before_any_stage(tmp_path):
-    from sweet_jax import pipeline
+    from sweet_jax.pipeline import stages as pipeline
     c = parse(f"--config={REPO}/configs/pipeline.py:test")
     c.unlock()
     c.critic.beta = -1.0

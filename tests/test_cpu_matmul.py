@@ -10,7 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
-from sweet_jax import config_utils, generate, steps
+from sweet_jax import config_utils
+from sweet_jax.sampling import generate
+from sweet_jax.train import steps
 from sweet_jax.models import Llama, LlamaConfig, cpu_matmul
 
 CFG = LlamaConfig.preset("tiny", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -285,7 +285,7 @@ def test_concurrency_is_bounded():
 
 
 class RecordingSampler:
-    """Stands in for sweet_jax.generate.Sampler.chat: records calls, returns one Sample-like per prompt."""
+    """Stands in for sweet_jax.sampling.generate.Sampler.chat: records calls, returns one Sample-like per prompt."""
 
     def __init__(self):
         self.calls = []

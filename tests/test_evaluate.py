@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from sweet_jax import evaluate
+from sweet_jax.commands import evaluate
 
 TASK = {"problem_description": "Add two numbers.", "ground_truth": "def add(a, b):\n    return a + b\n",
         "test_cases": {"t1": "add(1, 2)", "t2": "add(-1, 1)", "t3": "add(10, 5)", "t4": "add(0, 0)"}}

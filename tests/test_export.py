@@ -11,7 +11,9 @@ import pytest
 import torch
 import transformers
 
-from sweet_jax import rundir, trainer
+from sweet_jax.train import trainer
+from sweet_jax.train import export as run_export
+from sweet_jax.train import model_loading
 from test_train import env, small_trajectories
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -41,11 +43,11 @@ def trained_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_exported_checkpoint_loads_in_transformers_with_the_trained_logits(trained_run, tmp_path):
-    out = rundir.export_run(trained_run, tmp_path / "hf")
+    out = run_export.export_run(trained_run, tmp_path / "hf")
     for name in ("config.json", "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json"):
         assert (out / name).exists(), name
-    model, step, _ = rundir.restore_model(trained_run)
+    model, step, _ = model_loading.restore_model(trained_run)
     assert step == 2
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 24)).astype(np.int32)
     ours = np.asarray(model(ids))

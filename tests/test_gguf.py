@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from sweet_jax import sharding
 from sweet_jax.data import demo
+from sweet_jax.commands import gguf as gguf_command
 from sweet_jax.data import tokenizers as tokenizers_lib
 from sweet_jax.models import gguf as gguf_lib
 from sweet_jax.models.hf import UnsupportedModelError, _tensor_entries, load_hf
@@ -290,7 +291,7 @@ def test_not_a_gguf_file_is_one_line_naming_it_exit_2(tmp_path, capsys):
     bad = tmp_path / "model.gguf"
     bad.write_text("not gguf")
     with pytest.raises(SystemExit) as info:
-        gguf_lib.main([str(bad), str(tmp_path / "out")])
+        gguf_command.main([str(bad), str(tmp_path / "out")])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(bad) in err and "not a GGUF file" in err

@@ -112,7 +112,7 @@ def records(workdir, split):
 @pytest.fixture(scope="module")
 def straight_lora_run(tmp_path_factory):
     """10 demo tasks, 3 of them held out."""
-    from sweet_jax import trainer
+    from sweet_jax.train import trainer
     tmp = tmp_path_factory.mktemp("lora_straight")
     data = small_trajectories(tmp / "trajectories.jsonl", num_tasks=10)
     trainer.run(lora_critic_config(data__trajectories=str(data), data__eval_fraction=0.3), tmp / "run")
@@ -122,7 +122,7 @@ def straight_lora_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def straight_lora_run_all_data(tmp_path_factory):
     """The bundled demo data: the uninterrupted run the resume test compares with."""
-    from sweet_jax import trainer
+    from sweet_jax.train import trainer
     workdir = tmp_path_factory.mktemp("lora_straight_all") / "run"
     trainer.run(lora_critic_config(), workdir)
     return workdir
@@ -130,7 +130,7 @@ def straight_lora_run_all_data(tmp_path_factory):
 
 @pytest.mark.slow
 def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run):
-    from sweet_jax import rundir
+    from sweet_jax.train import model_loading
     from sweet_jax.models.lora import TARGETS
 
     evals, trains = records(straight_lora_run, "eval"), records(straight_lora_run, "train")
@@ -140,13 +140,13 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
     assert trains[-1]["pair_accuracy"] > 0.5 and trains[-1]["loss"] < trains[0]["loss"]
 
     # The checkpoint holds the adapters alone; the base is the seeded demo model, untouched by training.
-    model, step, config = rundir.restore_model(straight_lora_run)
+    model, step, config = model_loading.restore_model(straight_lora_run)
     assert step == STEPS
     trained = nnx.state(model, nnx.LoRAParam)
     names = {str(path[-2]) + "." + str(path[-1]) for path, _ in nnx.to_flat_state(trained)}
     assert names == {f"{proj}.lora_{ab}" for _, proj in TARGETS.values() for ab in "ab"}
-    base = rundir.build_model(demo_config(file="critic.py", preset="demo"), model.config,
-                              rundir.make_mesh((1, -1, 1)))
+    base = model_loading.build_model(demo_config(file="critic.py", preset="demo"), model.config,
+                              model_loading.make_mesh((1, -1, 1)))
     frozen = dict(nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam))))
     for path, var in nnx.to_flat_state(nnx.state(base, nnx.Param)):
         np.testing.assert_array_equal(np.asarray(frozen[path][...]), np.asarray(var[...]), err_msg=str(path))
@@ -154,7 +154,7 @@ def test_lora_trains_the_demo_critic_through_the_adapters_only(straight_lora_run
 
 @pytest.mark.slow
 def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monkeypatch):
-    from sweet_jax import rundir, steps, trainer
+    from sweet_jax.train import model_loading, steps, trainer
 
     real_factory = steps.make_step
 
@@ -178,7 +178,7 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
     resumed, straight = records(tmp_path / "run", "train"), records(straight_lora_run_all_data, "train")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [[r[f] for f in fields] for r in resumed] == [[r[f] for f in fields] for r in straight]
-    got, want = (nnx.to_flat_state(nnx.state(rundir.restore_model(w)[0], nnx.LoRAParam))
+    got, want = (nnx.to_flat_state(nnx.state(model_loading.restore_model(w)[0], nnx.LoRAParam))
                  for w in (tmp_path / "run", straight_lora_run_all_data))
     for (path, a), (_, b) in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
@@ -186,10 +186,11 @@ def test_lora_run_resumes_bit_exactly(straight_lora_run_all_data, tmp_path, monk
 
 @pytest.mark.slow
 def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_run, tmp_path):
-    from sweet_jax import rundir
+    from sweet_jax.train import model_loading
+    from sweet_jax.train import export as run_export
 
-    out = rundir.export_run(straight_lora_run, tmp_path / "hf")
-    model, _, _ = rundir.restore_model(straight_lora_run)
+    out = run_export.export_run(straight_lora_run, tmp_path / "hf")
+    model, _, _ = model_loading.restore_model(straight_lora_run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 24))
     with torch.no_grad():
@@ -201,11 +202,11 @@ def test_lora_run_exports_merged_weights_that_transformers_loads(straight_lora_r
 def test_lora_policy_starts_at_the_reference_the_frozen_base(tmp_path):
     """DPO through adapters: at step 1 the policy is the base, which is also the reference (no second copy of
     the weights), so the loss is exactly log 2 plus the NLL term."""
-    from sweet_jax import rundir, trainer
+    from sweet_jax.train import model_loading, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
     data = small_trajectories(tmp_path / "trajectories.jsonl", num_tasks=4)
-    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(model_loading.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo_lora", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=1, train__eval_every=0, data__eval_fraction=0.0)

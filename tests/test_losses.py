@@ -1,11 +1,11 @@
-"""sweet_jax.losses against independent numpy implementations, on hand-built turns with padding."""
+"""sweet_jax.train.losses against independent numpy implementations, on hand-built turns with padding."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 
-from sweet_jax import losses
+from sweet_jax.train import losses
 
 NORMS = ("turn_mean", "trajectory_mean", "sum")
 

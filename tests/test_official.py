@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sweet_jax import losses, steps
+from sweet_jax.train import losses, steps
 from sweet_jax.data import demo, load_tokenizer
 from sweet_jax.data import pairs as pairs_lib
 from sweet_jax.data import render
@@ -219,7 +219,7 @@ def test_official_pair_file_loads_for_policy_training(tok, tmp_path):
 
 
 def test_official_rank_score_is_the_scripts_mean_over_header_and_reply_at_temperature_half(tok):
-    from sweet_jax import ranking
+    from sweet_jax.rl import ranking
 
     critic, _ = models(tok)
     traj = official_trajectory(tok, ["Which inputs?", "I WANT TO ANSWER: pass"], ["Two ints.", None], 1.0)
@@ -274,8 +274,8 @@ def test_official_pairing_draws_with_replacement_across_halves_and_allows_ties()
 
 
 def test_rollout_block_layout_keeps_failed_episodes_and_round_trips(tmp_path):
-    from sweet_jax import collect
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.rl import episodes as collect
+    from sweet_jax.data.loading import load_trajectories
     from sweet_jax.envs import ANSWER_MARKER, ScriptedSimulator
     from sweet_jax.envs.simulators import SimulatorError
 
@@ -469,7 +469,7 @@ def test_sweet_rl_on_python_313_warns_why_the_official_code_scores_zero():
 
 
 def test_official_rank_sequence_of_a_message_form_turn_uses_the_prompt_the_candidates_came_from(tok):
-    from sweet_jax import ranking
+    from sweet_jax.rl import ranking
     from sweet_jax.data.schema import Trajectory
 
     traj = Trajectory.from_json({"task": {"problem_description": "Write f.", "ground_truth": "def f(): pass",

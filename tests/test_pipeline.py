@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from sweet_jax import pipeline
-from sweet_jax import results as results_lib
+from sweet_jax.pipeline import stages as pipeline
+from sweet_jax.rl import results as results_lib
 from sweet_jax.data import load_tasks, load_trajectories
 from draws import assert_mostly_identical, assert_same_draws
 
@@ -301,7 +301,7 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
 
     # SWEET-RL on turn prompts balanced by state: as many prompts as SWEET-RL's ranking, up to half of them states
     # where every value is known, ranked by the same critic; its own grid and choice
-    from sweet_jax import diagnostics, ranking
+    from sweet_jax.rl import diagnostics, ranking
     offline = load_trajectories(sel_dir / "offline/trajectories.jsonl")
     every = ranking.turn_prompts(offline)
     ready = sum(diagnostics.turn_state(offline[p.trajectory_index].task.to_json(), p.messages)["all_known"]
@@ -331,8 +331,8 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
 
 
 def test_turn_selection_follows_the_official_rule_or_balances_states():
-    from sweet_jax import diagnostics, ranking
-    from sweet_jax.data import synthetic
+    from sweet_jax.rl import diagnostics, ranking
+    from sweet_jax.envs import synthetic
     from sweet_jax.data.schema import Trajectory
 
     tasks = synthetic.make_tasks(10, seed=3, min_keys=2, max_keys=2)
@@ -365,11 +365,11 @@ def test_probes_of_a_run_match_transformers_and_the_reference(workdir):
     import torch
     import transformers
 
-    from sweet_jax import probes, ranking
+    from sweet_jax.rl import probes, ranking
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.envs import ANSWER_MARKER
     from sweet_jax.models import load_hf
-    from sweet_jax.pipeline_diagnostics import run_probes
+    from sweet_jax.rl.probes import run_probes
 
     report = run_probes(workdir)
     start = report["starting policy"]
@@ -461,7 +461,7 @@ def test_colbench_8b_preset_is_complete():
 
 
 def _floor_task():
-    from sweet_jax.data import synthetic
+    from sweet_jax.envs import synthetic
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)
     def answer(values):
@@ -471,7 +471,7 @@ def _floor_task():
 
 def _told(task, keys, *, extra_turns=0):
     """The dialogue after asking about `keys` one a turn (and `extra_turns` vague exchanges before them)."""
-    from sweet_jax.data import synthetic
+    from sweet_jax.envs import synthetic
     messages = [{"role": "user", "content": task["problem_description"]}]
     for _ in range(extra_turns):
         messages += [{"role": "assistant", "content": "Could you tell me more?"},
@@ -484,7 +484,7 @@ def _told(task, keys, *, extra_turns=0):
 
 
 def test_synthetic_oracle_values_answers_and_questions():
-    from sweet_jax.diagnostics import TURN_COST, reply_worth
+    from sweet_jax.rl.diagnostics import TURN_COST, reply_worth
 
     task, truth, answer = _floor_task()
     start = _told(task, [])
@@ -499,7 +499,7 @@ def test_synthetic_oracle_values_answers_and_questions():
 
 
 def test_oracle_ranks_a_correct_answer_above_a_repeated_question_when_everything_is_known():
-    from sweet_jax.diagnostics import reply_kind, reply_worth, turn_state
+    from sweet_jax.rl.diagnostics import reply_kind, reply_worth, turn_state
 
     task, truth, answer = _floor_task()
     everything = _told(task, ["design", "sales", "finance"])
@@ -513,7 +513,7 @@ def test_oracle_ranks_a_correct_answer_above_a_repeated_question_when_everything
 
 
 def test_oracle_knows_the_turn_limit():
-    from sweet_jax.diagnostics import TURN_COST, reply_worth
+    from sweet_jax.rl.diagnostics import TURN_COST, reply_worth
 
     task, truth, answer = _floor_task()
     # agent turn 9 of 10 with finance unknown: this question is the last one, the 10th reply must answer
@@ -532,7 +532,7 @@ def test_oracle_knows_the_turn_limit():
 def test_pair_kinds_count_every_pair_ties_included(tmp_path):
     from sweet_jax import jsonl
     from sweet_jax.data.schema import PolicyPair
-    from sweet_jax.diagnostics import pair_evidence, pair_kinds
+    from sweet_jax.rl.diagnostics import pair_evidence, pair_kinds
 
     task, truth, answer = _floor_task()
     everything, start = _told(task, ["design", "sales", "finance"]), _told(task, [])
@@ -556,8 +556,8 @@ def test_pair_kinds_count_every_pair_ties_included(tmp_path):
 
 
 def test_policy_behaviour_measures_questions_and_copy_accuracy():
-    from sweet_jax.data import synthetic
-    from sweet_jax.diagnostics import policy_behaviour
+    from sweet_jax.envs import synthetic
+    from sweet_jax.rl.diagnostics import policy_behaviour
 
     task = synthetic.make_tasks(1, seed=0)[0]          # floor(team): sales 7, design 6, finance 4
     theme, truth = synthetic.task_theme(task), synthetic.hidden_constants(task)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sweet_jax import plan
+from sweet_jax.train import plan
 from sweet_jax.config_utils import base_config
 
 

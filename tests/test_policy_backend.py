@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import requests
 
-from sweet_jax import policy_backend, ranking
+from sweet_jax.sampling import policy_backend
+from sweet_jax.rl import ranking
 from sweet_jax.data.schema import Trajectory
 from draws import MIN_IDENTICAL, assert_mostly_identical, assert_same_draws
 
@@ -42,8 +43,8 @@ def policy_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def in_process(policy_hf):
-    from sweet_jax import rundir
-    return rundir.load_sampler(str(policy_hf), seed=0)
+    from sweet_jax.sampling import generate
+    return generate.load_sampler(str(policy_hf), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ def backend_config(command: str, backend: str, policy_hf, engine):
 def test_rank_takes_the_backend_switch_and_writes_the_same_pairs(engine, policy_hf, tmp_path):
     """`sweet_jax.rank` with policy.backend=openai (an engine already running at base_urls) writes the pairs the
     in-process sampler gives (same candidates, same critic and reference scores)."""
-    from sweet_jax import rank
+    from sweet_jax.rl import ranking as rank
 
     pairs = {}
     for backend in ("in_process", "openai"):
@@ -237,7 +238,7 @@ def test_rank_takes_the_backend_switch_and_writes_the_same_pairs(engine, policy_
 
 
 def test_rollout_takes_the_backend_switch_and_plays_the_same_episodes(engine, policy_hf, tmp_path):
-    from sweet_jax import rollout
+    from sweet_jax.rl import episodes as rollout
 
     episodes = {}
     for backend in ("in_process", "openai"):
@@ -351,7 +352,6 @@ def test_a_slow_drip_answer_is_cut_at_the_request_deadline_not_per_read(demo_tok
     with HostileEngine(lambda b: body, drip_s=0.05) as engine:
         sampler = policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="m", max_retries=0,
                                                timeout_s=1.0, vocab_size=VOCAB)
-        import sweet_jax.generate  # noqa: F401 — its first import (jax) is not the request's time
         start = time.monotonic()
         with pytest.raises(policy_backend.PolicyBackendError, match="deadline of 1 s"):
             sampler.generate([[1, 2]], max_new_tokens=1)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from sweet_jax import ranking
+from sweet_jax.rl import ranking
 from sweet_jax.data.schema import Trajectory
 
 TASK = {"problem_description": "Write f(x) adding my number.", "ground_truth": "def f(x):\n    return x + 3",
@@ -170,7 +170,7 @@ def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     import importlib.util
     import pathlib
 
-    from sweet_jax import rank
+    from sweet_jax.rl import ranking as rank
 
     spec = importlib.util.spec_from_file_location("rank_config", pathlib.Path(__file__).parents[1] / "configs/rank.py")
     module = importlib.util.module_from_spec(spec)
@@ -186,8 +186,8 @@ def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     result = rank.run(config)
     records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
     assert result["turns"] == 3 and result["pairs_written_now"] == len(records) > 0
-    from sweet_jax import rundir
-    tokenizer = rundir.load_tokenizer_for("")
+    from sweet_jax.train import model_loading
+    tokenizer = model_loading.load_tokenizer_for("")
     for r in records:
         assert r["chosen_score"] > r["rejected_score"]
         assert r["prompt_text"].startswith("<|begin_of_text|>") and r["prompt"][0]["role"] == "user"

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from sweet_jax import pipeline, rank, rollout, rundir
+from sweet_jax.pipeline import stages as pipeline
+from sweet_jax.rl import episodes as rollout, ranking as rank
+from sweet_jax.train import rundir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

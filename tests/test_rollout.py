@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sweet_jax import collect
+from sweet_jax.rl import episodes as collect
 from sweet_jax.envs import ANSWER_MARKER, OpenAISimulator, ScriptedSimulator
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def keys_of(path):
 
 
 def test_rollout_writes_official_trajectories_with_rewards(tmp_path):
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.data.loading import load_trajectories
 
     out = tmp_path / "traj.jsonl"
     tasks = make_tasks(5)
@@ -172,7 +172,7 @@ def simulator_server(tmp_path_factory):
     from tiny import make_hf_llama
 
     from sweet_jax.data import demo, tokenizers
-    from sweet_jax.serve import load_model_sampler, start_server
+    from sweet_jax.sampling.server import load_model_sampler, start_server
 
     tok_dir = demo.paths().tokenizer
     vocab = len(tokenizers.load_tokenizer(tok_dir))
@@ -193,7 +193,7 @@ def rollout_cli(out, server_url, *extra):
 
 @pytest.mark.slow
 def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, simulator_server):
-    from sweet_jax.data.schema import load_trajectories
+    from sweet_jax.data.loading import load_trajectories
 
     out = tmp_path / "traj.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -228,7 +228,7 @@ def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, s
 
 
 def test_the_summary_names_the_failures_file_only_where_it_exists(tmp_path):
-    from sweet_jax.rollout import format_summary
+    from sweet_jax.rl.episodes import format_summary
 
     out = tmp_path / "traj.jsonl"
     summary = {"episodes": 4, "failed_episodes": 0, "success_rate": 0.5, "tests_passed_pct": 60.0,

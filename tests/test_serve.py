@@ -18,9 +18,9 @@ import pytest
 from tiny import make_hf_llama
 
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
-from sweet_jax.generate import Request, Sampler, SamplingParams
+from sweet_jax.sampling.generate import Request, Sampler, SamplingParams
 from sweet_jax.models import load_hf
-from sweet_jax.serve import BatchingEngine, start_server
+from sweet_jax.sampling.server import BatchingEngine, start_server
 
 VOCAB = 320
 
@@ -407,7 +407,7 @@ def test_completions_stream_each_choice_with_its_token_logprobs(client, server):
 
 
 def test_stream_deltas_always_join_to_the_reply():
-    from sweet_jax.serve import text_deltas
+    from sweet_jax.sampling.server import text_deltas
 
     assert text_deltas("ab c", ["a", "b", " c"]) == [("a", 0), ("b", 1), (" c", 2)]
     # A stop string cut the reply inside a token, and the stop token decodes to nothing of the text.
@@ -418,7 +418,7 @@ def test_stream_deltas_always_join_to_the_reply():
 def test_warmup_compiles_the_shapes_a_first_request_would_otherwise_wait_for(hf_dir):
     import transformers
 
-    from sweet_jax.serve import OpenAIApp
+    from sweet_jax.sampling.server import OpenAIApp
 
     sampler = Sampler(load_hf(hf_dir), transformers.AutoTokenizer.from_pretrained(str(hf_dir)))
     app = OpenAIApp(sampler, model_name="tiny", default_max_tokens=4)

@@ -1,4 +1,4 @@
-"""sweet_jax.steps on a tiny Llama: sharded == single device, accumulation == full batch, the critic learns."""
+"""sweet_jax.train.steps on a tiny Llama: sharded == single device, accumulation == full batch, the critic learns."""
 import dataclasses
 import functools
 
@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sweet_jax import config_utils, losses, sharding, steps
+from sweet_jax import config_utils, sharding
+from sweet_jax.train import losses, steps
+from sweet_jax.train.optimizer import LayerwiseOptimizer, make_optimizer, make_schedule, stacked_layer_mask
 from sweet_jax.models import Llama, LlamaConfig
 
 CFG = LlamaConfig.preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
@@ -235,7 +237,7 @@ def test_score_step_returns_per_turn_advantages():
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
-    schedule = steps.make_schedule(1.0, 100)
+    schedule = make_schedule(1.0, 100)
     assert float(schedule(0)) == 0.0
     np.testing.assert_allclose(float(schedule(3)), 1.0, rtol=1e-6)  # 3% warm-up
     assert float(schedule(50)) < 1.0
@@ -243,7 +245,7 @@ def test_schedule_warms_up_then_decays_to_a_tenth():
 
 
 def test_optimizer_clips_the_global_gradient_norm():
-    optimizer = steps.make_optimizer(1.0, 10, warmup_ratio=0.0, b1=0.0, b2=0.0, clip=1.0)
+    optimizer = make_optimizer(1.0, 10, warmup_ratio=0.0, b1=0.0, b2=0.0, clip=1.0)
     params = {"w": jnp.zeros(3)}
     grads = {"w": jnp.array([30.0, 40.0, 0.0])}  # norm 50 -> clipped to 1, then adam with b2=0 normalises
     clipped = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]
@@ -276,12 +278,12 @@ def test_critic_learns_a_fixed_set_of_pairs():
     turns = np.zeros((B, 2, T), np.int32)
     turns[:, :, 8:12], turns[:, :, 13:16] = 1, 2
     batch = dict(input_ids=ids, attention_mask=np.ones((B, 2, T), np.int32), turn_ids=turns)
-    optimizer = steps.make_optimizer(3e-3, 30)
+    optimizer = make_optimizer(3e-3, 30)
     state = steps.create_train_state(make_model(), optimizer)
     ref_fn = steps.make_ref_logp_fn(state.graphdef, rest=state.rest, chunk_size=8)
     batch["ref_logp"] = ref_fn(state.params, batch)
     step = steps.make_step(steps.LossSpec("critic", beta=1.0, chunk_size=8), state, optimizer,
-                           lr_schedule=steps.make_schedule(3e-3, 30))
+                           lr_schedule=make_schedule(3e-3, 30))
     history = []
     for _ in range(31):
         state, metrics = step(state, batch)
@@ -294,7 +296,7 @@ def test_critic_learns_a_fixed_set_of_pairs():
 
 def test_adam_moments_are_sharded_like_their_parameters():
     mesh = sharding.make_mesh((1, 4, 2))
-    optimizer = steps.make_optimizer(1e-3, 10)
+    optimizer = make_optimizer(1e-3, 10)
     state = steps.create_train_state(make_model(), optimizer, mesh)
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = chain(scale_by_adam, ...)
     param_specs = jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, state.params))
@@ -333,7 +335,7 @@ def test_bfloat16_moments_follow_adamw_with_moments_rounded_each_step():
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(64,)).astype(np.float32)}
     grads = [{"w": (rng.normal(size=(64,)) * 10 ** rng.uniform(-3, 0, 64)).astype(np.float32)} for _ in range(5)]
-    tx = steps.make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd,
+    tx = make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd,
                               clip=clip, moments_dtype="bfloat16")
     state = tx.init(params)
     adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
@@ -358,7 +360,7 @@ def test_bfloat16_moments_follow_adamw_with_moments_rounded_each_step():
     np.testing.assert_array_equal(np.asarray(adam.nu["w"], np.float32), nu.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(adam.mu["w"], np.float32), mu.astype(np.float32))
     # float32 moments give a different trajectory: the rounding is what the numpy reference models.
-    tx32 = steps.make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd, clip=clip)
+    tx32 = make_optimizer(lr, 10, warmup_ratio=0.0, final_ratio=1.0, b1=b1, b2=b2, weight_decay=wd, clip=clip)
     s32, p32 = tx32.init(params), params
     for g in grads:
         u, s32 = tx32.update(g, s32, p32)
@@ -369,8 +371,8 @@ def test_bfloat16_moments_follow_adamw_with_moments_rounded_each_step():
 @pytest.mark.slow
 def test_bfloat16_moments_halve_the_optimiser_state_and_train_sharded():
     batch = pair_batch()
-    opt32 = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0)
-    opt16 = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, moments_dtype="bfloat16")
+    opt32 = make_optimizer(1e-3, 10, warmup_ratio=0.0)
+    opt16 = make_optimizer(1e-3, 10, warmup_ratio=0.0, moments_dtype="bfloat16")
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     params = nnx.state(make_model(), nnx.Param)
     assert nbytes(jax.eval_shape(opt16.init, params)) * 2 == pytest.approx(nbytes(jax.eval_shape(opt32.init, params)),
@@ -381,7 +383,7 @@ def test_bfloat16_moments_halve_the_optimiser_state_and_train_sharded():
     for name, value in flat_params(sharded).items():
         np.testing.assert_allclose(value, flat_params(single)[name], rtol=1e-3, atol=1e-5, err_msg=name)
     with pytest.raises(steps.StepConfigError, match="moments_dtype"):
-        steps.make_optimizer(1e-3, 10, moments_dtype="float16")
+        make_optimizer(1e-3, 10, moments_dtype="float16")
 
 
 @pytest.mark.slow
@@ -434,7 +436,7 @@ def test_offloaded_optimiser_state_trains_like_the_device_one():
     'pinned_host' memory kind is the same RAM) and the step gives the same parameters and moments."""
     batch = pair_batch()
     mesh = sharding.make_mesh((1, 4, 2))
-    optimizer = steps.make_optimizer(1e-2, 10, warmup_ratio=0.0)
+    optimizer = make_optimizer(1e-2, 10, warmup_ratio=0.0)
     results = {}
     for offload in (False, True):
         state = steps.create_train_state(make_model(), optimizer, mesh, offload_opt_state=offload)
@@ -464,9 +466,9 @@ def test_layerwise_update_of_stacked_layers_equals_the_whole_stack_update(moment
     model_config = dataclasses.replace(CFG, scan_layers=True)
     results = {}
     for layerwise in (False, True):
-        optimizer = steps.make_optimizer(1e-2, 10, warmup_ratio=0.0, weight_decay=0.1, clip=0.5,
+        optimizer = make_optimizer(1e-2, 10, warmup_ratio=0.0, weight_decay=0.1, clip=0.5,
                                          moments_dtype=moments, layerwise=layerwise)
-        assert isinstance(optimizer, steps.LayerwiseOptimizer) == layerwise
+        assert isinstance(optimizer, LayerwiseOptimizer) == layerwise
         state = steps.create_train_state(Llama(model_config, rngs=nnx.Rngs(0)), optimizer, mesh,
                                          offload_opt_state=offload)
         step = steps.make_step(steps.LossSpec("critic", beta=0.5, chunk_size=8), state, optimizer, mesh)
@@ -491,6 +493,6 @@ def test_stacked_layer_mask_marks_scanned_layers_only():
     for scan in (True, False):
         params = nnx.state(Llama(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0)), nnx.Param)
         marked = {jax.tree_util.keystr(k): m for k, m in jax.tree_util.tree_leaves_with_path(
-            steps.stacked_layer_mask(params))}
+            stacked_layer_mask(params))}
         assert any(marked.values()) == scan
         assert all(m == (scan and k.startswith("['layers']")) for k, m in marked.items())

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from sweet_jax.data import critic_pairs, load_tasks, load_trajectories
-from sweet_jax.data.synthetic import (POLICIES, SyntheticTaskError, hidden_constants, lookup_code, make_tasks,
+from sweet_jax.envs.synthetic import (POLICIES, SyntheticTaskError, hidden_constants, lookup_code, make_tasks,
                                       scripted_replies, scripted_trajectories, simulator_reply, task_theme)
 from sweet_jax.envs import HUMAN_RESPONSE_CHAR_LIMIT
 from sweet_jax.sandbox import Evaluator

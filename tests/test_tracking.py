@@ -12,7 +12,9 @@ import types
 import jax.numpy as jnp
 import pytest
 
-from sweet_jax import config_utils, losses, metrics, pipeline
+from sweet_jax import config_utils
+from sweet_jax.train import losses, metrics
+from sweet_jax.pipeline import stages as pipeline
 
 
 def event_scalars(logdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
@@ -123,7 +125,7 @@ def test_an_unknown_writer_is_a_config_error_naming_the_choices():
 
 def test_the_pipeline_groups_its_training_stages_under_its_run(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr("sweet_jax.trainer.run", lambda tconfig, workdir, **_: seen.append(tconfig) or {
+    monkeypatch.setattr("sweet_jax.train.trainer.run", lambda tconfig, workdir, **_: seen.append(tconfig) or {
         "steps": 1, "train_examples": 1, "eval_examples": 0})
     monkeypatch.setattr(pipeline, "export_trained", lambda *_: None)
     config = config_utils.base_config()   # stands in for a pipeline config: it has the same metrics section

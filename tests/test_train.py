@@ -74,9 +74,9 @@ def steps_on_disk(workdir) -> list[int]:
 
 def trained_params(workdir) -> dict:
     from flax import nnx
-    from sweet_jax import rundir
+    from sweet_jax.train import model_loading
 
-    model, _, _ = rundir.restore_model(workdir)
+    model, _, _ = model_loading.restore_model(workdir)
     return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -115,7 +115,7 @@ def test_rerunning_a_finished_run_returns_at_once_and_a_changed_config_is_refuse
 
 
 def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
-    from sweet_jax import rundir
+    from sweet_jax.train import rundir
 
     config = demo_config(file="critic.py", preset="demo")
     assert rundir.write_config(config, tmp_path) == []
@@ -136,7 +136,7 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
 def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, tmp_path):
     """A wrong trajectories path fails before any step is saved; the rerun with the right path trains, and the
     replaced config is on record."""
-    from sweet_jax import rundir
+    from sweet_jax.train import rundir
 
     failed = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'typo.jsonl'}", check=False)
     assert failed.returncode == 2 and "typo.jsonl" in failed.stderr, failed.stderr[-2000:]
@@ -165,7 +165,7 @@ def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_
 
 
 def test_the_schedule_warning_names_the_lr_before_and_after():
-    from sweet_jax import trainer
+    from sweet_jax.train import trainer
 
     optim = demo_config(file="critic.py", preset="demo").optim
     assert trainer.schedule_change(optim, 100, 100, 100) is None
@@ -176,7 +176,7 @@ def test_the_schedule_warning_names_the_lr_before_and_after():
 def test_the_mfu_peak_is_measured_once_per_run(tmp_path, monkeypatch):
     import jax
 
-    from sweet_jax import metrics
+    from sweet_jax.train import metrics
 
     first = metrics.run_peak_flops(tmp_path, jax.devices())
     monkeypatch.setattr(metrics, "peak_flops_total", lambda *_: (1.0, "measured again"))
@@ -222,7 +222,7 @@ def test_demo_run_writes_metrics_checkpoints_config_and_plot(straight_run):
 # next step starts, and which hangs when step {step} is done (its saves durable) until it is killed.
 HANG_AFTER_STEP = """
 import runpy, sys, time
-from sweet_jax import checkpoint, steps
+from sweet_jax.train import checkpoint, steps
 save = checkpoint.Checkpointer.save
 checkpoint.Checkpointer.save = lambda self, *a, **k: save(self, *a, **dict(k, wait=True))
 make_step = steps.make_step
@@ -286,7 +286,7 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
     (1, 4, 2) instead, says so, and trains the step."""
     import logging
 
-    from sweet_jax import trainer
+    from sweet_jax.train import trainer
 
     config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
                          data__bucket=256, train__batch_size=4, train__num_steps=1, train__ckpt_every=0,
@@ -302,7 +302,7 @@ def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """The step's loss turns NaN at step 3: the run stops, checkpoint 2 (whose weights gave that loss) is
     moved aside, checkpoint 1 stays as the last good one."""
-    from sweet_jax import steps, trainer
+    from sweet_jax.train import steps, trainer
 
     real_factory = steps.make_step
 
@@ -390,11 +390,11 @@ def ranked_pairs(path, trajectories_path, tokenizer) -> pathlib.Path:
 
 @pytest.mark.slow
 def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_path):
-    from sweet_jax import rundir
+    from sweet_jax.train import model_loading
     from sweet_jax.data import datasets
     from sweet_jax.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(model_loading.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     common = dict(data__trajectories=str(data), data__pairs=str(pairs), data__max_len=4096, data__eval_fraction=0.34)
     built = {}
@@ -421,7 +421,7 @@ def test_each_loss_kind_gets_its_examples_and_a_task_held_out_split(data, tmp_pa
 def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, monkeypatch, signum):
     """Step-level DPO on rank's pairs; a SIGTERM (TPU preemption) or a Ctrl-C during step 1 ends the run after
     that step with a checkpoint of it, and the command line's exit status names the signal."""
-    from sweet_jax import rundir, steps, trainer
+    from sweet_jax.train import model_loading, steps, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
 
     real_factory = steps.make_step
@@ -436,7 +436,7 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
         return step_with_sigterm
 
     monkeypatch.setattr(steps, "make_step", factory_sigterm_in_step_1)
-    tokenizer = load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    tokenizer = load_tokenizer(model_loading.tokenizer_path(demo_config(file="critic.py", preset="demo")))
     pairs = ranked_pairs(tmp_path / "pairs.jsonl", data, tokenizer)
     config = demo_config(file="policy.py", preset="demo", data__pairs=str(pairs), data__max_len=256,
                          data__bucket=256, train__num_steps=3, train__eval_every=0, data__eval_fraction=0.0,
@@ -453,7 +453,7 @@ def test_policy_dpo_trains_on_ranked_pairs_and_saves_on_sigterm(data, tmp_path, 
 
 
 def test_peak_flops_by_device_kind_and_measured_on_cpu():
-    from sweet_jax import metrics
+    from sweet_jax.train import metrics
 
     assert metrics.known_peak_flops("TPU v6 lite") == 918e12
     assert metrics.known_peak_flops("TPU v5 lite") == 197e12
@@ -468,7 +468,7 @@ def test_peak_flops_by_device_kind_and_measured_on_cpu():
 
 
 def test_metrics_log_drops_records_past_the_resume_point_and_plots(tmp_path):
-    from sweet_jax import metrics
+    from sweet_jax.train import metrics
 
     writer = metrics.MetricsWriter(tmp_path)
     for step in (1, 2, 3, 4):
@@ -514,7 +514,7 @@ def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tm
     export is the same HF checkpoint."""
     from flax import nnx
     from safetensors.numpy import load_file
-    from sweet_jax import rundir, trainer
+    from sweet_jax.train import export as run_export, model_loading, trainer
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import Llama, save_hf
 
@@ -523,22 +523,22 @@ def test_scanned_sequence_parallel_training_matches_the_per_layer_model(data, tm
                   train__eval_every=0, data__eval_fraction=0.0)
     # Both runs start from one HF checkpoint (a scanned random init draws its layers differently).
     config = demo_config(**common)
-    tokenizer_dir = rundir.tokenizer_path(config)
+    tokenizer_dir = model_loading.tokenizer_path(config)
     tokenizer = load_tokenizer(tokenizer_dir)
-    init = Llama(rundir.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
+    init = Llama(model_loading.model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer), rngs=nnx.Rngs(0))
     save_hf(init, tmp_path / "init", tokenizer_dir=tokenizer_dir)
     common["model__path"] = str(tmp_path / "init")
     trainer.run(demo_config(**common, mesh__shape=(1, 1, 1)), tmp_path / "plain")
     trainer.run(demo_config(**common, mesh__shape=(1, 2, 2), model__scan_layers=True, model__sequence_parallel=True),
               tmp_path / "scan")
-    model, _, _ = rundir.restore_model(tmp_path / "scan")
+    model, _, _ = model_loading.restore_model(tmp_path / "scan")
     assert model.config.scan_layers and model.config.residual_sharding is not None
     plain, scan = records(tmp_path / "plain"), records(tmp_path / "scan")
     assert len(plain) == 3 and plain[-1]["loss"] != plain[0]["loss"]  # it trained
     np.testing.assert_allclose([r["loss"] for r in scan], [r["loss"] for r in plain], rtol=1e-5)
     tensors = {}
     for name in ("plain", "scan"):
-        rundir.export_run(tmp_path / name, tmp_path / f"{name}_hf")
+        run_export.export_run(tmp_path / name, tmp_path / f"{name}_hf")
         tensors[name] = {k: v for f in sorted((tmp_path / f"{name}_hf").glob("*.safetensors"))
                          for k, v in load_file(f).items()}
     assert tensors["scan"].keys() == tensors["plain"].keys()

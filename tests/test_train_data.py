@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from sweet_jax import rundir
+from sweet_jax.train import model_loading
 from sweet_jax.data import datasets
 
 from test_train import demo_config, small_trajectories
@@ -23,7 +23,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer():
     from sweet_jax.data.tokenizers import load_tokenizer
-    return load_tokenizer(rundir.tokenizer_path(demo_config(file="critic.py", preset="demo")))
+    return load_tokenizer(model_loading.tokenizer_path(demo_config(file="critic.py", preset="demo")))
 
 
 def critic_config(data, **overrides):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from sweet_jax import rundir, trainer
+from sweet_jax.train import rundir, trainer
 from test_train import demo_config
 
 

@@ -9,21 +9,19 @@
 Several hosts: each renders only host_range(len(pairs), batch_size, jax.process_index(), jax.process_count())
 of the pair list and passes example_ids / num_global to BatchIterator (see data/batching.py).
 
-The TFDS builder lives in sweet_jax.data.tfds_colbench (imported on demand: it pulls in TensorFlow).
+The TFDS builder lives in sweet_jax.data.tfds_colbench (data.loading imports it on demand: it pulls in TensorFlow).
 """
 from sweet_jax.data.batching import (BatchError, BatchIterator, bucket_for, bucket_lengths, chunk_bounds, collate,
                                      example_lengths, gather_lengths, host_range)
-from sweet_jax.data.demo import DemoPaths
-from sweet_jax.data.demo import paths as demo_paths
+from sweet_jax.data.demo import DemoPaths, paths as demo_paths
+from sweet_jax.data.loading import Loaded, load_records, load_tasks, load_trajectories, write_jsonl
 from sweet_jax.data.pairs import (Examples, PairPick, PolicyPairs, RenderOptions, TrajectoryPair, critic_pairs,
-                                  group_by_task, mtdpo_pairs, pair_examples, policy_pairs,
-                                  rft_examples, sft_examples)
-from sweet_jax.data.render import (INFO_PLACEMENTS, OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, RenderError,
-                                   fit_all, fit_length, info_text, render_dialogue, render_prerendered,
-                                   render_prompt, render_trajectory, reply_from_tokens)
-from sweet_jax.data.schema import (CandidatesRecord, DataError, Loaded, PolicyPair, Task, Trajectory, Turn,
-                                   load_records, load_tasks, load_trajectories, write_jsonl)
-from sweet_jax.data.tokenizers import (LLAMA2_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE, LLAMA31_CHAT_TEMPLATE,
+                                  group_by_task, mtdpo_pairs, pair_examples, policy_pairs, rft_examples, sft_examples)
+from sweet_jax.data.render import (INFO_PLACEMENTS, LengthStats, OFFICIAL_INFO_TEMPLATE, RenderError, Rendered,
+                                   fit_all, fit_length, info_text, render_dialogue, render_prerendered, render_prompt,
+                                   render_trajectory, reply_from_tokens)
+from sweet_jax.data.schema import CandidatesRecord, DataError, PolicyPair, Task, Trajectory, Turn
+from sweet_jax.data.tokenizers import (LLAMA2_CHAT_TEMPLATE, LLAMA31_CHAT_TEMPLATE, LLAMA3_CHAT_TEMPLATE,
                                        TokenizerError, build_llama2_tokenizer, build_llama3_tokenizer, end_of_turn_ids,
                                        load_tokenizer, pad_id)
 

@@ -25,7 +25,9 @@ import dataclasses
 import logging
 from typing import Iterator, Mapping, Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from sweet_jax.data.render import Rendered
 from sweet_jax.errors import SweetJaxError
@@ -164,12 +166,9 @@ def _check_hosts(batch_size: int, process_index: int, process_count: int) -> Non
 def gather_lengths(example_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every host's (global example ids, lengths), from each host's own: one small allgather over processes.
     Ids that several processes hold (replicas of the same batch rows) are kept once."""
-    import jax
-
     ids, lengths = np.asarray(example_ids, np.int32), np.asarray(lengths, np.int32)
     if jax.process_count() == 1:
         return ids, lengths
-    from jax.experimental import multihost_utils
 
     columns = lengths if lengths.ndim == 2 else lengths[:, None]  # [N] or [N, k] (example_lengths(scored=True))
     counts = np.asarray(multihost_utils.process_allgather(np.array([len(ids)], np.int32))).reshape(-1)

@@ -18,11 +18,10 @@ import numpy as np
 from etils import epath
 
 from sweet_jax import jsonl
-from sweet_jax.config_utils import TrainConfigError
-from sweet_jax.data import batching, render, schema
-from sweet_jax.data import pairs as pairs_lib
+from sweet_jax.data import batching, loading, pairs as pairs_lib, render, schema
 from sweet_jax.data.demo import paths as demo_paths
 from sweet_jax.data.schema import PolicyPair, Turn
+from sweet_jax.errors import TrainConfigError
 
 
 @dataclasses.dataclass
@@ -120,7 +119,7 @@ def build_datasets(config, tokenizer, *, process_index: int = 0, process_count: 
         raise TrainConfigError(f"config.data.trajectories={path!r} has no rows: point --config.data.trajectories "
                                "at a non-empty ColBench trajectories JSONL")
     try:
-        trajectories = schema.load_trajectories(path)
+        trajectories = loading.load_trajectories(path)
     except schema.DataError as e:
         raise TrainConfigError(f"config.data.trajectories={path!r}: {e}") from None
     if not trajectories:

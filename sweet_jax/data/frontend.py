@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 
-from sweet_jax.data.schema import DataError, Loaded, Task, _load
+from sweet_jax.data.loading import Loaded, load_rows
+from sweet_jax.data.schema import DataError, Task
 
 PLACEHOLDER_HOST = "placeholder.invalid"
 MAX_PLACEHOLDER_SIDE = 4096
@@ -76,4 +77,4 @@ def frontend_task_from_json(obj, where: str = "") -> Task:
 
 def load_frontend_tasks(path, *, skip_bad: bool = False) -> Loaded:
     """Frontend tasks from JSONL (this project's demo set or the official WebSight-derived rows)."""
-    return _load(path, frontend_task_from_json, skip_bad=skip_bad, what="frontend tasks")
+    return load_rows(path, frontend_task_from_json, skip_bad=skip_bad, what="frontend tasks")

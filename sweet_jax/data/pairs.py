@@ -10,11 +10,12 @@ import logging
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
-from sweet_jax.data.render import (OFFICIAL_INFO_TEMPLATE, LengthStats, Rendered, fit_all, render_official_text,
-                                   render_trajectory, reply_from_tokens)
-from sweet_jax.data.tokenizers import end_of_turn_ids
+from sweet_jax.data.render import (LengthStats, OFFICIAL_INFO_TEMPLATE, RenderError, Rendered, end_of_turn_token,
+                                   fit_all, render_official_text, render_trajectory, reply_from_tokens)
 from sweet_jax.data.schema import DataError, Trajectory
+from sweet_jax.data.tokenizers import end_of_turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +255,6 @@ def sampled_pair_sequences(tokenizer, pair, *, where: str = "") -> tuple[Rendere
     sampled ids and its end-of-turn token (turn id 1; appended when the reply was cut by max_new_tokens).
     Nothing is tokenised again: decoding and re-encoding a sample need not give back the ids the policy
     sampled, and DPO must score what the policy sampled."""
-    from sweet_jax.data.render import end_of_turn_token
-
     eot_ids = end_of_turn_ids(tokenizer)
     eot = end_of_turn_token(tokenizer)
     vocab = len(tokenizer)
@@ -284,8 +283,6 @@ def official_pair_sequences(tokenizer, row: dict, *, label: str = "last", where:
     step-level pairs; DPO's log-probs are summed there, the prompt being the same on both sides), "all" every
     reply (the critic's ground-truth preference files). The length policy runs afterwards: fit_length's cut_right
     gives the fork's right cut, with the same mask as masking after the cut."""
-    from sweet_jax.data.render import RenderError
-
     try:
         return tuple(render_official_text(tokenizer, row[side], label=label)
                      for side in ("chosen", "rejected"))
@@ -296,6 +293,5 @@ def official_pair_sequences(tokenizer, row: dict, *, label: str = "last", where:
 def _progress(items, enabled: bool, desc: str):
     if not enabled:
         return items
-    from tqdm import tqdm
     return tqdm(items, desc=desc)
 

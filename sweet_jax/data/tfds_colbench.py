@@ -24,8 +24,8 @@ import urllib.parse
 from typing import Iterator
 
 import numpy as np
-from etils import epath
 import tensorflow_datasets as tfds
+from etils import epath
 
 from sweet_jax.data.schema import DataError, Task, Trajectory
 

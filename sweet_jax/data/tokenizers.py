@@ -10,8 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
+import sysconfig
 import tempfile
+import time
 from typing import Iterable, Iterator
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from sweet_jax.errors import SweetJaxError
 
@@ -35,9 +40,6 @@ def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool, sec
     """tokenizer.apply_chat_template(messages, tokenize=False) under a time bound (TEMPLATE_SECONDS: checked as
     the template's own code runs, so a template that loops forever is stopped, in any thread) and a size bound
     (TEMPLATE_MAX_CHARS); past either a TemplateBoundError. The one way sweet_jax renders a chat template."""
-    import sys
-    import time
-
     seconds = TEMPLATE_SECONDS if seconds is None else seconds
     deadline = time.monotonic() + seconds
     lines = [0]
@@ -203,8 +205,6 @@ def pad_id(tokenizer) -> int:
 
 def default_training_text(max_files: int = 80, extra_files: Iterable = ()) -> Iterator[str]:
     """Python sources from the standard library (deterministic order) plus any extra text files."""
-    import sysconfig
-
     for f in extra_files:
         f = pathlib.Path(f)
         if f.exists():
@@ -220,7 +220,6 @@ def build_llama3_tokenizer(out_dir, texts: Iterable[str], *, vocab_size: int = 2
                            chat_template: str = LLAMA3_CHAT_TEMPLATE):
     """Train a Llama-3-style byte-level BPE tokenizer on `texts` and save it as a HF tokenizer directory."""
     import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

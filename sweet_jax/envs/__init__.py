@@ -1,9 +1,9 @@
 """ColBench environments and human simulators."""
 from sweet_jax.data.schema import task_field, task_json  # the tasks' own module; the environments read tasks
-from sweet_jax.envs.colbench import NO_ANSWER, AgentReply, ColBenchEnv, hidden_information, parse_agent_reply
+from sweet_jax.envs.colbench import AgentReply, ColBenchEnv, NO_ANSWER, hidden_information, parse_agent_reply
 from sweet_jax.envs.prompts import (AGENT_PROMPT, ANSWER_MARKER, HUMAN_RESPONSE_CHAR_LIMIT, OUTPUT_MARKER,
                                     SIMULATOR_PROMPT, simulator_dialogue_text)
-from sweet_jax.envs.simulators import (NO_RESPONSE, ModelSimulator, OpenAISimulator, ScriptedSimulator, Simulator,
+from sweet_jax.envs.simulators import (ModelSimulator, NO_RESPONSE, OpenAISimulator, ScriptedSimulator, Simulator,
                                        SimulatorError, simulator_messages)
 
 __all__ = [

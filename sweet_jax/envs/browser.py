@@ -29,6 +29,8 @@ How a page is contained:
 """
 from __future__ import annotations
 
+import base64
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -38,6 +40,7 @@ import logging
 import os
 import queue
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -51,6 +54,7 @@ from PIL import Image
 
 from sweet_jax.data.frontend import MAX_PLACEHOLDER_SIDE, PLACEHOLDER_HOST, placeholder_url
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.sandbox.evaluator import _MemoryCgroups
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +106,6 @@ class PageServer:
     """The browsers' proxy: serves the pages being rendered and the placeholder image; refuses all else."""
 
     def __init__(self):
-        import collections
-
         self.pages: dict[str, bytes] = {}          # host -> HTML (only while its page renders)
         self.refused: collections.deque[str] = collections.deque(maxlen=REFUSED_KEPT)  # the last request lines
         self.refused_count = 0                     # refused requests in all
@@ -231,8 +233,6 @@ def memory_bound(limit_mb: int, cgroups=None):
     """(preexec_fn for the browser's Popen, cleanup): the browser and every process it starts in a memory cgroup
     of limit_mb where `cgroups` (sandbox's _MemoryCgroups) can make one, else each of its processes under an
     RLIMIT_DATA of limit_mb. cleanup removes the cgroup once the browser is gone."""
-    import resource
-
     path = cgroups.create(limit_mb) if cgroups is not None and cgroups.available else None
     if path is not None:
         procs = os.path.join(path, "cgroup.procs")
@@ -289,7 +289,6 @@ class Renderer:
         options.page_load_strategy = "normal"
         # Own session: a hung browser is killed with its whole process group. Its memory bound holds the whole
         # browser (a cgroup) or each of its processes (a data limit).
-        from sweet_jax.sandbox.evaluator import _MemoryCgroups
         preexec, self._release_memory_bound = memory_bound(self.memory_mb, _MemoryCgroups())
         service = Service(self.driver_path, log_output=os.devnull,
                           popen_kw={"start_new_session": True, "preexec_fn": preexec})
@@ -320,8 +319,6 @@ class Renderer:
         release()
 
     def _screenshot(self, url: str) -> bytes:
-        import base64
-
         driver = self._driver
         driver.get(url)
         metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})

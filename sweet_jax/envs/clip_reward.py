@@ -12,8 +12,8 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from PIL import Image
+from flax import nnx
 
 from sweet_jax.models.clip import CLIPVision
 

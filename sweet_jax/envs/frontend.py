@@ -22,12 +22,17 @@ import re
 import threading
 from typing import Any, Sequence
 
+import ml_collections
 import numpy as np
+from flax import nnx
 
 from sweet_jax.data.frontend import extract_html
+from sweet_jax.envs.browser import RendererPool
+from sweet_jax.envs.clip_reward import ClipReward
 from sweet_jax.envs.colbench import ColBenchEnv, task_field
 from sweet_jax.envs.prompts import ANSWER_MARKER
 from sweet_jax.envs.simulators import OpenAISimulator, Simulator, SimulatorError
+from sweet_jax.models.clip import CLIPVision, CLIPVisionConfig, load_clip_hf
 
 FRONTEND_RESPONSE_CHAR_LIMIT = 1000   # the official frontend simulator's reply limit
 
@@ -270,16 +275,12 @@ def frontend_evaluation(records: Sequence[dict], reference_records: Sequence[dic
     return result
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The track's pieces from a config, and scripted demonstrations
 # ----------------------------------------------------------------------------------------------------------
 
 def frontend_config():
     """The `frontend` block of rollout and pipeline configs (configs/frontend.py)."""
-    import ml_collections
-
     f = ml_collections.ConfigDict()
     f.clip_path = ""               # HF CLIP checkpoint directory (openai/clip-vit-base-patch32); '' = a random
     #                                tiny CLIP: the mechanics only, its cosines mean nothing
@@ -293,12 +294,6 @@ class FrontendTrack:
     """What a frontend rollout needs besides the policy: browsers, a simulator, the CLIP scorer."""
 
     def __init__(self, frontend, simulator, *, seed: int = 0):
-        from flax import nnx
-
-        from sweet_jax.envs.browser import RendererPool
-        from sweet_jax.envs.clip_reward import ClipReward
-        from sweet_jax.models.clip import CLIPVision, CLIPVisionConfig, load_clip_hf
-
         self.pool = RendererPool(frontend.renderers, time_limit_s=frontend.page_time_limit_s)
         self.screens = Screens(self.pool)
         clip = (load_clip_hf(frontend.clip_path) if frontend.clip_path

@@ -5,6 +5,11 @@ model play the human who holds the hidden information. Both keep the official st
 ("I WANT TO ANSWER:", two-sentence replies, ten rounds) because the environment parses them.
 """
 
+import pathlib
+import string
+
+from sweet_jax.errors import SweetJaxError
+
 ANSWER_MARKER = "I WANT TO ANSWER:"
 OUTPUT_MARKER = "OUTPUT:"
 HUMAN_RESPONSE_CHAR_LIMIT = 400  # the official HUMAN_RESPONSE_CHARACTER_LIMIT
@@ -54,11 +59,6 @@ def load_prompt(path: str, kind: str) -> str:
     kind="simulator": a template over {problem_description}, {hidden_information} and {dialogue_history} (the
     dialogue as 'role:content' blocks ending with 'agent:', simulator_dialogue_text), formatted per reply.
     kind="agent": the agent's system message, used verbatim (no placeholders)."""
-    import pathlib
-    import string
-
-    from sweet_jax.errors import SweetJaxError
-
     if kind not in PROMPT_FIELDS:
         raise SweetJaxError(f"prompt kind must be one of {tuple(PROMPT_FIELDS)}, got {kind!r}")
     p = pathlib.Path(path)

@@ -19,9 +19,13 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import openai
+
+from sweet_jax import http_bounds
 from sweet_jax.envs.colbench import hidden_information, task_field
 from sweet_jax.envs.prompts import SIMULATOR_PROMPT, SIMULATOR_SYSTEM_PROMPT, simulator_dialogue_text
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.jsonl import replace_lone_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,6 @@ class ScriptedSimulator(Simulator):
 
 
 def _retryable(error: Exception) -> bool:
-    import openai
-
     if isinstance(error, (openai.APIConnectionError, openai.APIResponseValidationError)):
         return True  # endpoint down, timed out, or sent something that is not a chat completion
     if isinstance(error, openai.APIStatusError):
@@ -91,8 +93,6 @@ def bounded_http_client(timeout_s: float, max_bytes: int):
     """An HTTP client for the openai library whose every request has timeout_s in all (not per socket read) and
     an answer of at most max_bytes (sweet_jax.http_bounds); past either it fails like a timeout, and is retried."""
     import httpx2
-
-    from sweet_jax import http_bounds
 
     class BoundedTransport(httpx2.HTTPTransport):
         def handle_request(self, request):
@@ -120,7 +120,6 @@ def bounded_http_client(timeout_s: float, max_bytes: int):
 def clean_reply(text: str) -> str:
     """A simulator's reply as text that can be stored: lone surrogates (a JSON escape like \\ud800 decodes to one,
     and no UTF-8 file can hold it) become U+FFFD."""
-    from sweet_jax.jsonl import replace_lone_surrogates
     return replace_lone_surrogates(text)
 
 
@@ -132,13 +131,10 @@ class OpenAISimulator(Simulator):
                  max_retries: int = 3, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
                  concurrency: int = 16, max_tokens: int = 256, temperature: float = 0.0,
                  template: str = SIMULATOR_PROMPT, system_prompt: str = SIMULATOR_SYSTEM_PROMPT, client=None):
-        import openai
-
         if not base_url and client is None:
             raise SimulatorError("OpenAISimulator: base_url is empty; set --config.simulator.base_url "
                                  "(e.g. http://127.0.0.1:8000/v1)")
         # Our own retry loop (below) decides what to retry, so the client's is off.
-        from sweet_jax import http_bounds
         self.client = client or openai.OpenAI(
             base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=0,
             http_client=bounded_http_client(timeout_s, http_bounds.answer_cap(max_tokens)))
@@ -165,8 +161,6 @@ class OpenAISimulator(Simulator):
 
     def complete(self, messages: list[dict]) -> str:
         """The endpoint's reply to a chat request, with retries and back-off; SimulatorError when it fails."""
-        import openai
-
         last_error = None
         for attempt in range(self.max_retries + 1):
             if attempt:

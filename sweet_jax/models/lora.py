@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models.hf import hf_name_for
 from sweet_jax.models.llama import Dense, Llama
 
 TARGETS = {"q": ("attn", "q_proj"), "k": ("attn", "k_proj"), "v": ("attn", "v_proj"), "o": ("attn", "o_proj"),
@@ -123,8 +125,6 @@ PEFT_PREFIX = "base_model.model."
 def peft_tensors(model: Llama) -> dict[str, np.ndarray]:
     """PEFT's adapter_model.safetensors entries: for a projection with HF weight `<m>.weight` [out, in],
     `base_model.model.<m>.lora_A.weight` [rank, in] and `base_model.model.<m>.lora_B.weight` [out, rank]."""
-    from sweet_jax.models.hf import hf_name_for
-
     tensors = {}
     for path, dense in _target_denses(model, ALL_TARGETS):
         if dense.lora_a is None:
@@ -144,8 +144,6 @@ def peft_tensors(model: Llama) -> dict[str, np.ndarray]:
 def save_peft(model: Llama, lora: LoRAConfig, path, *, base_model: str = "", dtype=None) -> pathlib.Path:
     """Write the adapters as a PEFT LoRA checkpoint (adapter_config.json + adapter_model.safetensors) that
     `peft.PeftModel.from_pretrained(<the base model>, path)` loads."""
-    from safetensors.numpy import save_file
-
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = peft_tensors(model)

@@ -53,8 +53,8 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
-from sweet_jax.data.schema import task_field
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox import protocol
 
@@ -68,6 +68,12 @@ _STARTUP_TIMEOUT_S = 120.0
 # The official evaluator scores 0, without running it, an answer containing any of these.
 SWEET_RL_DENY_LIST = ("import os", "from os", "import sys", "from sys", "sudo", "transformers",
                       "exit(", "quit(", "argparse")
+
+
+def task_field(task: Any, name: str) -> Any:
+    """A task's field from a record object (sweet_jax.data.schema.Task) or its JSON form (a dict): the sandbox
+    reads the tasks it scores without depending on the record types."""
+    return task.get(name) if isinstance(task, dict) else getattr(task, name, None)
 
 
 class SandboxError(SweetJaxError):
@@ -493,7 +499,7 @@ class Evaluator:
                           else None for job in jobs]
         bar = None
         if progress:
-            import tqdm
+            import tqdm  # here only: the sandbox package imports nothing but the standard library and numpy
 
             bar = tqdm.tqdm(total=len(jobs), desc="sandbox", unit="eval")
         scores = []

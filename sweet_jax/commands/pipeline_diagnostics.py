@@ -1,0 +1,57 @@
+"""Diagnostics of a pipeline run on the synthetic lookup tasks (sweet_jax.rl.diagnostics), as JSON:
+
+    python -m sweet_jax.pipeline_diagnostics WORKDIR [--probes] [--out FILE]
+
+prints the rankings' agreement with the oracle (overall, by reply kind and state, ties counted) and each
+policy's behaviour (questions on the task's keys, answers, copy accuracy of the values the user stated).
+--probes adds the models' probes (sweet_jax.rl.probes: P(answer) by state for the starting policy with and without
+the agent prompt and for every kept checkpoint of the SWEET-RL runs, the implicit margin of a correct answer over
+a repeated question where every value is known, the critics' per-turn scores by kind and normalisation): a few
+minutes of forward passes on CPU for SmolLM2.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from sweet_jax import cli
+from sweet_jax.commands import launch
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, run_diagnostics
+from sweet_jax.rl.probes import run_probes
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser(prog="python -m sweet_jax.pipeline_diagnostics",
+                                description="Diagnostics of a pipeline run's rankings and policies (JSON).")
+    parser.add_argument("workdir", help="a `python -m sweet_jax.pipeline` run directory")
+    parser.add_argument("--probes", action="store_true", help="also probe the run's models (forward passes)")
+    parser.add_argument("--out", default="", help="write the JSON here too")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    workdir = pathlib.Path(args.workdir)
+    if not workdir.is_dir():
+        raise SweetJaxError(f"{workdir} is not a directory: pass the --workdir of a `python -m sweet_jax.pipeline` run")
+    if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):
+        raise SweetJaxError(f"{workdir} holds no pipeline stage (offline/, rank/): pass the --workdir of a "
+                            "`python -m sweet_jax.pipeline` run")
+    report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
+    traj = workdir / "offline" / "trajectories.jsonl"
+    for name in ("rank", "rank_no_info"):
+        if (workdir / name / "pairs.jsonl").exists():
+            report["rankings"][name]["by_kind"] = pair_kinds(workdir / name / "pairs.jsonl", traj)
+    if args.probes:
+        report["probes"] = run_probes(workdir)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+define_flags = None  # main parses its own argv (cli.ArgumentParser)
+
+
+HELP_CONFIGS = ()
+
+if __name__ == "__main__":
+    launch("pipeline_diagnostics")

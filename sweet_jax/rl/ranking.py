@@ -1,0 +1,441 @@
+"""Best-of-N ranking: candidate replies for every turn of the offline trajectories, scored by the critic (what
+`python -m sweet_jax.rank` and the pipeline's candidates and rank stages run): turn prompts o_t -> N candidates
+per prompt from the policy (temperature 1.0, with their log-probs) -> critic score of each candidate -> policy
+pairs -> JSONL.
+
+Score of a candidate a for the prompt o_t (DESIGN.md section 1, policy step 2):
+
+    A(o_t, a, c) = mean over a's tokens of log pi_critic(a | c, o_t)  -  reference
+
+with `rank_reference`:
+  ref_with_info  mean log pi_ref(a | c, o_t): the reference model fed the same c (default; the paper);
+  sampler        the sampler's own mean log-prob of a, without c (what the official code subtracts).
+
+Pairs per turn (data.policy_pairs): chosen uniformly from the top half, rejected from the bottom half,
+num_pairs of them, seeded, chosen always scoring strictly higher.
+
+Output (one JSON object a line, appended batch by batch; a rerun skips turns already written):
+  trajectory_index, turn, task_key, prompt (messages before the reply), prompt_text (the rendered prompt
+  the candidates were sampled from), chosen, rejected, chosen_score, rejected_score, rank_reference.
+
+The critic scorer is any function items -> mean log-probs, so tests and other critics plug in:
+`rank_turns(..., critic_logp=fn, reference_logp=fn)` with fn([(TurnPrompt, reply_text), ...]) -> [N].
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from sweet_jax import jsonl
+from sweet_jax.config_utils import RANK_RANGES, check_ranges
+from sweet_jax.data import demo, loading, render, tokenizers
+from sweet_jax.data.pairs import policy_pairs
+from sweet_jax.data.render import RenderError
+from sweet_jax.data.schema import PolicyPair, Turn
+from sweet_jax.data.tokenizers import apply_chat_template, pad_id
+from sweet_jax.envs import AGENT_PROMPT
+from sweet_jax.errors import SweetJaxError
+from sweet_jax.rl import diagnostics
+from sweet_jax.sampling import generate, policy_backend
+from sweet_jax.sampling.base import BaseSampler
+from sweet_jax.train import model_loading, rundir, steps
+
+log = logging.getLogger(__name__)
+
+RANK_REFERENCES = ("ref_with_info", "sampler")
+
+
+class RankError(SweetJaxError):
+    """Ranking cannot run (bad config, a critic that cannot be loaded, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnPrompt:
+    """The prompt o_t before the agent's t-th reply of one offline trajectory."""
+    trajectory_index: int
+    turn: int                    # 1-based index of the assistant reply this prompt precedes
+    task_key: str
+    ground_truth: str            # the training-time information c
+    messages: tuple              # ({'role', 'content'}, ...) before the reply
+    turns: tuple                 # data.Turn objects before the reply (pre-rendered trajectories)
+    input_text: str | None       # the recorded prompt string of this turn (official `input`), if any
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.trajectory_index, self.turn)
+
+
+@dataclasses.dataclass
+class Candidates:
+    texts: list[str]
+    sampler_logp: np.ndarray     # [N] the sampler's mean log-prob over each candidate's tokens (no c)
+    prompt_text: str
+    # The token ids the sampler read and wrote (its stop token included): the pairs carry them to the DPO
+    # step, which trains on them instead of tokenising the texts again. None: texts only (e.g. read back).
+    prompt_ids: list[int] | None = None
+    token_ids: list[list[int]] | None = None
+
+
+def turn_prompts(trajectories: Sequence[Any]) -> list[TurnPrompt]:
+    """One TurnPrompt per assistant reply of each trajectory (data.Trajectory objects)."""
+    prompts = []
+    for i, traj in enumerate(trajectories):
+        history = traj.dialogue_history
+        turn = 0
+        for j, t in enumerate(history):
+            if t.role != "assistant":
+                continue
+            turn += 1
+            before = history[:j]
+            prompts.append(TurnPrompt(i, turn, traj.task.key, traj.task.ground_truth,
+                                      tuple({"role": b.role, "content": b.content} for b in before),
+                                      tuple(before), t.input))
+    return prompts
+
+
+TURN_SELECTIONS = ("sample", "trajectories", "balanced")
+
+
+def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data_fraction: float, seed: int,
+                        tasks: Sequence[dict] | None = None, field: str = "rank") -> list:
+    """sample: a seeded sample of max_prompts; trajectories: every turn of the first data_fraction of the
+    trajectories (the official rule), capped at max_prompts; balanced: a seeded sample of max_prompts, of which
+    those where every value is known (synthetic tasks, `tasks` by trajectory index) make up to half."""
+    if selection not in TURN_SELECTIONS:
+        raise RankError(f"{field}.turn_selection={selection!r}: use one of {', '.join(TURN_SELECTIONS)}")
+    rng = np.random.default_rng(seed)
+
+    def sample(items, n):
+        if not n or n >= len(items):
+            return items
+        return [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
+
+    if selection == "trajectories":
+        if not 0.0 < data_fraction <= 1.0:
+            raise RankError(f"{field}.data_fraction={data_fraction}: use a fraction in (0, 1]")
+        count = len({p.trajectory_index for p in prompts})
+        kept = [p for p in prompts if p.trajectory_index < int(count * data_fraction)]
+        if not kept:
+            raise RankError(f"{field}.data_fraction={data_fraction} of {count} trajectories keeps none; "
+                            "raise it")
+        return kept[:max_prompts] if max_prompts else kept
+    if selection == "balanced":
+        if tasks is None:
+            raise RankError(f"{field}.turn_selection='balanced' needs the synthetic tasks (it balances prompts "
+                            "by which values are known)")
+        known = [diagnostics.turn_state(tasks[p.trajectory_index], p.messages)["all_known"] for p in prompts]
+        ready = [p for p, k in zip(prompts, known) if k]
+        rest = [p for p, k in zip(prompts, known) if not k]
+        n = max_prompts or len(prompts)
+        ready = sample(ready, min(len(ready), n // 2))
+        picked = ready + sample(rest, n - len(ready))
+        return sorted(picked, key=lambda p: p.key)
+    return sample(prompts, max_prompts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling candidates
+# ----------------------------------------------------------------------------------------------------------
+
+def prompt_ids(tokenizer, prompt: TurnPrompt, *, system_prompt: str | None = None) -> tuple[list[int], str]:
+    """Token ids and text the policy samples from: the recorded prompt when the trajectory has one (the
+    exact string the agent saw), else the chat template over the messages (plus an optional system prompt)."""
+    if prompt.input_text:
+        text = prompt.input_text
+    else:
+        messages = list(prompt.messages)
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+
+def sample_candidates(sampler: BaseSampler, prompts: Sequence[TurnPrompt], *, n: int, max_new_tokens: int,
+                      temperature: float = 1.0, seed: int = 0, system_prompt: str | None = None) -> list[Candidates]:
+    encoded = [prompt_ids(sampler.tokenizer, p, system_prompt=system_prompt) for p in prompts]
+    samples = sampler.generate([ids for ids, _ in encoded], max_new_tokens=max_new_tokens, temperature=temperature,
+                               n=n, seed=seed)
+    out = []
+    for (ids, text), per_prompt in zip(encoded, samples):
+        out.append(Candidates([s.text for s in per_prompt],
+                              np.array([np.mean(s.logprobs) if len(s.logprobs) else 0.0 for s in per_prompt]),
+                              text, prompt_ids=[int(i) for i in ids],
+                              token_ids=[[int(i) for i in s.token_ids] for s in per_prompt]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring: mean log-prob of a reply under a model that sees c
+# ----------------------------------------------------------------------------------------------------------
+
+def critic_sequence(tokenizer, prompt: TurnPrompt, reply: str, *, info_template: str, info_placement: str,
+                    use_info: bool = True, style: str = "reply", system_prompt: str | None = None):
+    """The sequence the critic reads for (c, o_t, a): the reply's tokens carry turn id 1, all others 0.
+    style="official": the official ranking script's sequence (data.render.render_official_score: a second BOS,
+    c as a raw prefix, the reply's header tokens scored with the reply, no end-of-turn) over the prompt text the
+    candidates were sampled from (prompt_ids: the recorded `input`, or the template with system_prompt)."""
+    info = prompt.ground_truth if use_info else None
+    if style == "official":
+        text = prompt_ids(tokenizer, prompt, system_prompt=system_prompt)[1]
+        return render.render_official_score(tokenizer, text, reply, info=info, info_template=info_template)
+    if prompt.input_text is not None and all(t.input is not None and t.output is not None
+                                             for t in prompt.turns if t.role == "assistant"):
+        turns = tuple(prompt.turns) + (Turn("assistant", reply, prompt.input_text, reply),)
+        return render.render_prerendered(tokenizer, turns, info=info, info_template=info_template, label="last")
+    messages = list(prompt.messages) + [{"role": "assistant", "content": reply}]
+    return render.render_dialogue(tokenizer, messages, info=info, info_template=info_template,
+                                  info_placement=info_placement, label="last")
+
+
+def make_mean_logp_fn(model, temperature: float = 1.0, *, compiled: dict | None = None):
+    """(input_ids [B,T], attention_mask [B,T], turn_ids [B,T]) -> [B] mean log-prob of each row's turn-id-1
+    tokens: the critic score step (steps.make_score_step, turn_mean) with a zero reference, so the
+    reference term (pi_ref with c, or the sampler's) is subtracted outside and either kind plugs in.
+    compiled: a dict shared by calls that score several models of one architecture (Llama keeps no
+    non-parameter state), which then share one compiled step, keyed by the model's graph and the temperature."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    key = (graphdef, jax.tree.structure(rest), temperature)
+    score = None if compiled is None else compiled.get(key)
+    if score is None:
+        score = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest,
+                                      temperature=temperature)
+        if compiled is not None:
+            compiled[key] = score
+
+    def mean_logp(ids_BT, mask_BT, turns_BT):
+        batch = {"input_ids": ids_BT[:, None], "attention_mask": mask_BT[:, None], "turn_ids": turns_BT[:, None],
+                 "ref_logp": np.zeros(ids_BT.shape, np.float32)[:, None]}
+        return np.asarray(score(params, batch))[:, 0, 0]  # [B, P=1, num_turns=1] -> [B]
+
+    return mean_logp
+
+
+class ReplyScorer:
+    """items [(TurnPrompt, reply text)] -> [N] mean log-prob of each reply under `model`, seeing c."""
+
+    def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
+                 use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
+                 style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None):
+        self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
+        self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
+        self.pad = pad_id(tokenizer)
+        self.style, self.system_prompt = style, system_prompt
+        self.mean_logp = make_mean_logp_fn(model, temperature)
+        self.unscorable: list[tuple[tuple[int, int], str]] = []
+
+    def __call__(self, items: Sequence[tuple[TurnPrompt, str]]) -> np.ndarray:
+        """Mean log-probs [len(items)]; NaN for a reply that cannot be scored (see `self.unscorable`)."""
+        seqs = []
+        for prompt, text in items:
+            try:
+                seq = critic_sequence(self.tokenizer, prompt, text, info_template=self.info_template,
+                                      info_placement=self.info_placement, use_info=self.use_info,
+                                      style=self.style, system_prompt=self.system_prompt)
+                if len(seq) > self.max_len:
+                    raise RenderError(f"{len(seq)} tokens > max_len={self.max_len}")
+            except RenderError as e:
+                # A sampled reply the template cannot delimit exactly (or too long) is left out of the
+                # ranking rather than scored on the wrong tokens.
+                self.unscorable.append((prompt.key, str(e)))
+                seq = None
+            seqs.append(seq)
+        return score_sequences(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
+                               batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
+
+
+def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *, batch_size: int,
+                    bucket: int, pad: int) -> np.ndarray:
+    """[len(seqs)] mean log-prob of each (input_ids, turn_ids)'s turn-id-1 tokens (NaN for None), in fixed-size
+    batches of similar lengths padded to a multiple of `bucket`: one compiled shape per length bucket."""
+    scores = np.full(len(seqs), np.nan, np.float32)
+    order = sorted((i for i, s in enumerate(seqs) if s is not None), key=lambda i: len(seqs[i][0]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        T = -(-max(len(seqs[i][0]) for i in rows) // bucket) * bucket
+        ids = np.full((batch_size, T), pad, np.int32)
+        mask = np.zeros((batch_size, T), np.int32)
+        turns = np.zeros((batch_size, T), np.int32)
+        for r, i in enumerate(rows):
+            n = len(seqs[i][0])
+            ids[r, :n], mask[r, :n], turns[r, :n] = seqs[i][0], 1, seqs[i][1]
+        mask[len(rows):, 0] = 1  # padding rows attend to one token, never an empty row
+        scores[rows] = np.asarray(mean_logp(ids, mask, turns))[:len(rows)]
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ranking and pairs
+# ----------------------------------------------------------------------------------------------------------
+
+def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Candidates], critic_logp: Callable,
+                         reference_logp, rank_reference: str, *, parts: list | None = None) -> list[np.ndarray]:
+    """Each prompt's candidate scores (critic minus reference mean log-prob). The candidates of all the prompts
+    go to each scorer in one call, so its fixed-size batches are filled across prompts (8 candidates of one
+    prompt would fill half of a 16-row batch) and sorted by length over all of them. `parts`, when given, gets
+    each prompt's (critic, reference) mean log-probs."""
+    items = [(prompt, t) for prompt, cands in zip(prompts, candidates, strict=True) for t in cands.texts]
+    critic = np.asarray(critic_logp(items), np.float64)
+    if rank_reference == "ref_with_info":
+        reference = np.asarray(reference_logp(items), np.float64)
+    elif rank_reference == "sampler":
+        reference = np.concatenate([np.asarray(c.sampler_logp, np.float64) for c in candidates])
+    else:
+        raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
+    bounds = np.cumsum([len(c.texts) for c in candidates])[:-1]
+    if parts is not None:
+        parts += list(zip(np.split(critic, bounds), np.split(reference, bounds)))
+    return np.split(critic - reference, bounds)
+
+
+def turn_pairs(prompt: TurnPrompt, candidates: Candidates, scores: np.ndarray, *, num_pairs: int, seed: int,
+               rank_reference: str, pairing: str = "strict") -> list[PolicyPair]:
+    """The pair records of one turn (data.policy_pairs picks the indices)."""
+    keep = [i for i, s in enumerate(scores) if np.isfinite(s)]  # unscorable candidates take no part
+    picked = policy_pairs([[candidates.texts[i] for i in keep]], [[float(scores[i]) for i in keep]],
+                          num_pairs=num_pairs, seed=_turn_seed(seed, prompt.key), pairing=pairing)
+    records = []
+    for pair in picked:
+        ids = {}
+        if candidates.token_ids is not None and candidates.prompt_ids is not None:
+            ids = dict(prompt_ids=candidates.prompt_ids, chosen_ids=candidates.token_ids[keep[pair.chosen_index]],
+                       rejected_ids=candidates.token_ids[keep[pair.rejected_index]])
+        records.append(PolicyPair(prompt.trajectory_index, prompt.turn, prompt.task_key,
+                                  [dict(m) for m in prompt.messages], candidates.prompt_text, pair.chosen,
+                                  pair.rejected, pair.chosen_score, pair.rejected_score, rank_reference, **ids))
+    return records
+
+
+def _turn_seed(seed: int, key: tuple[int, int]) -> int:
+    return int(np.random.default_rng([seed, key[0], key[1]]).integers(2**31))
+
+
+def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[TurnPrompt]], list[Candidates]],
+               critic_logp: Callable, reference_logp: Callable | None, out_path, *,
+               rank_reference: str = "ref_with_info", num_pairs: int = 4, seed: int = 0,
+               prompts_per_batch: int = 8, progress: bool = True, pairing: str = "strict",
+               scores_path=None) -> dict:
+    """Sample, score and pair every prompt; append the pairs to out_path per batch; return counts.
+
+    sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
+    log-probs (reference_logp unused with rank_reference='sampler'). scores_path, when given, gets a line per
+    turn with every candidate's critic and reference mean log-probs and advantage (what the pairs came from)."""
+    if rank_reference not in RANK_REFERENCES:
+        raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
+    if rank_reference == "ref_with_info" and reference_logp is None:
+        raise RankError("rank_reference='ref_with_info' needs a reference model (pi_ref) scorer")
+    out = pathlib.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["trajectory_index"], r["turn"]) for r in jsonl.read(out, partial="repair")}
+    todo = [p for p in prompts if p.key not in done]
+    bar = None
+    if progress:
+        bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="rank", unit="turn")
+    written = 0
+    gaps = []
+    for start in range(0, len(todo), prompts_per_batch):
+        batch = todo[start:start + prompts_per_batch]
+        records = []
+        sampled = sample_fn(batch)
+        parts: list = []
+        advantages = candidate_advantages(batch, sampled, critic_logp, reference_logp, rank_reference, parts=parts)
+        if scores_path is not None:
+            jsonl.append(scores_path, [
+                {"trajectory_index": p.trajectory_index, "turn": p.turn, "texts": list(c.texts),
+                 "critic_logp": [float(x) for x in cr], "reference_logp": [float(x) for x in ref],
+                 "advantage": [float(x) for x in adv]}
+                for p, c, (cr, ref), adv in zip(batch, sampled, parts, advantages, strict=True)])
+        for prompt, candidates, scores in zip(batch, sampled, advantages, strict=True):
+            pairs = turn_pairs(prompt, candidates, scores, num_pairs=num_pairs, seed=seed,
+                               rank_reference=rank_reference, pairing=pairing)
+            gaps += [r.chosen_score - r.rejected_score for r in pairs]
+            records += pairs
+        jsonl.append(out, records)
+        written += len(records)
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return {"turns": len(prompts), "turns_ranked_now": len(todo), "pairs_written_now": written,
+            "mean_score_gap": float(np.mean(gaps)) if gaps else None}
+
+
+# Fields that change how fast the pairs come, not which pairs: a rerun may change them freely.
+OPERATIONAL_FIELDS = ("progress", "output", "score_batch_size", "prompts_per_batch", "max_batch_size", "mesh",
+                      "skip_bad")
+
+
+def record_config(config, *, accept_config_change: bool = False) -> list:
+    """OUTPUT.config.json: the config that produced the pairs in OUTPUT (rundir.record_config's rule: a rerun
+    with another config is refused while OUTPUT holds pairs, unless accept_config_change records the change)."""
+    out = pathlib.Path(config.output)
+    produced = out.exists() and bool(jsonl.read(out, partial="drop"))
+    return rundir.record_output_config(config, out, produced=produced, accept_change=accept_config_change,
+                                       ignore=OPERATIONAL_FIELDS, what="pairs")
+
+
+def run(config, *, accept_config_change: bool = False) -> dict:
+    check_ranges(config, RANK_RANGES)
+    record_config(config, accept_config_change=accept_config_change)
+    mesh = model_loading.make_mesh(config.mesh.shape)
+    trajectories = loading.load_trajectories(config.trajectories or str(demo.paths().trajectories),
+                                          skip_bad=config.skip_bad)
+    if config.num_trajectories > 0:
+        trajectories = trajectories[:config.num_trajectories]
+    prompts = turn_prompts(trajectories)
+    p = config.policy
+    with policy_backend.policy_sampler(
+            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
+            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
+                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+        return rank_with(config, prompts, sampler, mesh)
+
+
+def rank_with(config, prompts, sampler: BaseSampler, mesh) -> dict:
+    """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
+    tokenizer = sampler.tokenizer
+    tokenizers.check_chat_template(tokenizer)
+    critic, critic_run = model_loading.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
+                                           tokenizer=tokenizer, seed=config.seed + 1, what="critic")
+    info_template, info_placement, use_info = config.info_template, config.info_placement, config.critic.use_info
+    if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
+        info_template, info_placement = critic_run.data.info_template, critic_run.data.info_placement
+        use_info = bool(critic_run.loss.use_info)
+        log.info("critic run settings: info_template=%r info_placement=%s use_info=%s", info_template,
+                 info_placement, use_info)
+    scorer_kw = dict(info_template=info_template, info_placement=info_placement, use_info=use_info,
+                     batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
+                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0),
+                     system_prompt=AGENT_PROMPT if config.agent_prompt else None)
+    critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
+    reference_logp = None
+    if config.rank_reference == "ref_with_info":
+        ref_path = config.reference.path or config.policy.path
+        in_process = sampler.local_model is not None  # an engine holds the weights in its own process
+        reference = sampler.local_model if ref_path == config.policy.path and in_process else model_loading.load_model(
+            ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
+        reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
+    calls = [0]
+
+    def sample_fn(batch):
+        calls[0] += 1
+        return sample_candidates(sampler, batch, n=config.num_candidates, max_new_tokens=config.max_new_tokens,
+                                 temperature=config.temperature, seed=config.seed * 1_000_003 + calls[0],
+                                 system_prompt=AGENT_PROMPT if config.agent_prompt else None)
+
+    result = rank_turns(prompts, sample_fn, critic_logp, reference_logp, config.output,
+                        rank_reference=config.rank_reference, num_pairs=config.num_pairs, seed=config.seed,
+                        prompts_per_batch=config.prompts_per_batch, progress=config.progress,
+                        pairing=config.get("pairing", "strict"))
+    unscorable = critic_logp.unscorable + (reference_logp.unscorable if reference_logp is not None else [])
+    if unscorable:
+        log.warning("%d candidates could not be scored and were left out; first: turn %s: %s", len(unscorable),
+                    *unscorable[0])
+    result["unscorable_candidates"] = len(unscorable)
+    return result
