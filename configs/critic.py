@@ -8,7 +8,7 @@ Presets:
               --config.data.trajectories / --config.data.tasks to the ColBench files.
   no_info     llama3_8b without training-time information (the paper's ablation baseline).
   demo_no_info  demo without training-time information.
-  official    llama3_8b as the official code trains it (README, "Coming from the official code"): the fork's
+  official    llama3_8b as the official code trains it (docs/official.md): the fork's
               token mask (data.mask_style=official), c as a raw prefix, the trajectory-mean score, over-long
               sequences cut from the right (data.length_policy=cut_right).
   demo_official  demo with the same official behaviour.

@@ -5,7 +5,7 @@ Presets:
   demo         the synthetic lookup-function task (sweet_jax/envs/synthetic.py) on CPU: a tiny Llama is first
                fine-tuned on mixed-quality scripted demonstrations (a weak starting policy), then the whole
                loop and every baseline run, and every policy is evaluated on held-out tasks with the
-               scripted human and the sandbox. CPU time per stage: README "Demo results" (the starting
+               scripted human and the sandbox. CPU time per stage: docs/results.md "Demo results" (the starting
                policy's SFT is the largest stage; other seeds reuse it with --config.init.from_run).
   test         the same stages with a few steps each (seconds to a couple of minutes; tests/test_pipeline.py).
   smollm2      SmolLM2-135M-Instruct (a real pretrained chat model; `python -m sweet_jax.models.gguf smollm2 DIR`
@@ -60,7 +60,7 @@ def get_config(preset: str = "demo"):
 
     # (1) tasks
     c.tasks = ml_collections.ConfigDict()
-    c.tasks.source = "synthetic"      # synthetic (data/synthetic.py) | files (ColBench JSONL)
+    c.tasks.source = "synthetic"      # synthetic (envs/synthetic.py) | files (ColBench JSONL)
     c.tasks.seed = 1234               # synthetic task draw: the same task set for every run seed
     c.tasks.num_train = 96
     c.tasks.num_heldout = 64
@@ -98,7 +98,7 @@ def get_config(preset: str = "demo"):
     c.init.from_run = ""              # a finished run's workdir whose init stage (same init/model/tasks) to copy
     c.init.num_tasks = 1024           # fresh synthetic tasks for the demonstrations (0 = the training tasks)
     c.init.demos_per_task = 1
-    # scripted agents of data/synthetic.py mixed in the demonstrations (weight each): a weak, varied policy
+    # scripted agents of envs/synthetic.py mixed in the demonstrations (weight each): a weak, varied policy
     c.init.policy_weights = "thorough:1,pairs:1,partial:2,naive:1,vague:1"
     c.init.sft = _train_stage(num_steps=400, lr=3e-3, batch_size=16, eval_fraction=0.05)
 
@@ -151,7 +151,7 @@ def get_config(preset: str = "demo"):
     c.mtdpo = _train_stage(num_steps=40, lr=1e-4, batch_size=8, beta=0.1)
     c.rft = _train_stage(num_steps=40, lr=1e-4, batch_size=8)
 
-    # Settings chosen on the validation tasks, the same way for every trained method (README "Selection"): one
+    # Settings chosen on the validation tasks, the same way for every trained method (docs/results.md, "How settings are chosen"): one
     # training run per learning rate of select.lrs, max(select.steps) steps long, its checkpoints at select.steps
     # each played on the validation tasks; the (lr, steps) with the highest validation success rate (then % tests
     # passed, then fewer steps, then the smaller lr) is the method's policy, and only it meets the held-out tasks.
@@ -280,7 +280,7 @@ def get_config(preset: str = "demo"):
         # KV cache: 46 KB per token slot per row for this model; 32 rows x (512 + 96) slots stay under 1 GB
         c.train.max_batch_size = 32
         if preset == "smollm2_select":
-            # The protocol of README "How settings are chosen": the same starting policy, offline episodes and
+            # The protocol of README/docs/results.md "How settings are chosen": the same starting policy, offline episodes and
             # critics as smollm2; every trained method's (lr, steps) chosen on 32 validation tasks on seed 0 and
             # frozen for seeds 1 and 2; SWEET-RL's policy step as the official recipe (every turn of the first 10%
             # of the offline trajectories, 16 candidates, 4 pairs a turn drawn with replacement, ties allowed; 30

@@ -7,8 +7,8 @@ loss.kind picks the algorithm:
   rft    the rejection fine-tuning baseline: SFT on the successful trajectories.
 
 Presets: demo, llama3_8b (SWEET-RL actor: lr 2e-7, beta 0.1, nll 0.01, batch 8, 1 epoch), and the
-baselines demo_mtdpo, demo_rft, mtdpo, rft. official: llama3_8b as the official trainer runs it (README, "Coming
-from the official code"): reads the official pairs file (chosen / rejected strings) as well as sweet_jax.rank's,
+baselines demo_mtdpo, demo_rft, mtdpo, rft. official: llama3_8b as the official trainer runs it (docs/official.md):
+reads the official pairs file (chosen / rejected strings) as well as sweet_jax.rank's,
 the NLL over the whole chosen sequence (loss.nll_scope=sequence), sequences cut from the right at 16384 tokens;
 demo_official: demo with the same behaviour. demo_lora: demo trained through LoRA adapters (rank 8 on every
 projection; config section `lora`, e.g. --config.lora.rank=16 on any preset). llama3_8b_v5e_16, llama3_8b_v6e_8:

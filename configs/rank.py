@@ -10,7 +10,7 @@ Presets:
   llama3_8b  the paper: Llama-3.1-8B-Instruct policy and reference (--config.policy.path), the trained
              critic exported as an HF directory (--config.critic.path), the offline trajectories
              (--config.trajectories), 16 candidates at temperature 1.0 of up to 1024 tokens, 4 pairs a turn.
-  official   llama3_8b ranked as the official scripts do (README, "Coming from the official code"): the sampler's
+  official   llama3_8b ranked as the official scripts do (docs/official.md): the sampler's
              mean log-prob as the reference (rank_reference=sampler), the critic's score over its official
              sequence (score_style=official: a second BOS, c as a raw prefix, the reply's 4 header tokens + the
              reply, no end-of-turn) at temperature 0.5, pairs drawn with replacement from the two halves, ties

@@ -11,7 +11,7 @@ Presets:
                tasks file (--config.tasks), 3 samples per task at temperature 1.0, simulator
                Llama-3.1-70B-Instruct behind an OpenAI-compatible endpoint (vLLM or sweet_jax.serve).
   eval_8b      evaluation: one greedy episode per task, same simulator.
-  official     collect_8b as the official collection script runs it (README, "Coming from the official code"):
+  official     collect_8b as the official collection script runs it (docs/official.md):
                the output rewritten in the official block layout with failed episodes kept (layout=official),
                the evaluator's official scoring rules (sandbox.compat=sweet_rl) and 1 s per test case. Point
                --config.agent_prompt_path / --config.simulator.prompt_path at the official prompt files.

@@ -341,7 +341,7 @@ def lora_demo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def official(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The official code's behaviour on top of paper_8b (README, "Coming from the official code"): its token
+    """The official code's behaviour on top of paper_8b (docs/official.md): its token
     mask, right-cut over-long sequences, the trajectory-mean critic score, the whole-sequence NLL."""
     c.data.mask_style = "official"
     c.data.length_policy = "cut_right"
@@ -373,7 +373,7 @@ def paper_8b(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-# The layouts `python -m sweet_jax.plan` measured to fit the slices people rent (README, "TPU fit of the paper's
+# The layouts `python -m sweet_jax.plan` measured to fit the slices people rent (docs/tpu.md, "TPU fit of the paper's
 # setting": critic rows 2 and 11 at 8192 tokens, policy rows 4 and 6 at 16384), as presets
 # configs/{critic,policy}.py:llama3_8b_<slice>. A slice not here: `python -m sweet_jax.plan --fit`.
 _SP_MICRO_2 = {"model.scan_layers": True, "optim.moments_dtype": "bfloat16", "optim.offload_state": True,

@@ -7,7 +7,7 @@ skipped, so rerunning the command resumes an interrupted run):
 
   tasks          tasks/train.jsonl, tasks/heldout.jsonl: synthetic tasks (demo) or ColBench files, split.
   init           init/policy_hf: the starting policy. demo: a tiny random Llama fine-tuned on mixed-quality
-                 scripted demonstrations (data/synthetic.py) so it speaks the ColBench protocol, weakly;
+                 scripted demonstrations (envs/synthetic.py) so it speaks the ColBench protocol, weakly;
                  colbench_8b: the given HF checkpoint. It is the zero-shot baseline, pi_ref and the critics'
                  initialisation. init.from_run=WORKDIR copies a finished run's instead (other seeds, one start).
   offline        offline/trajectories.jsonl: the starting policy against the simulator, scored in the sandbox

@@ -928,7 +928,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
 
 
 def write_evidence(run: Run, out: pathlib.Path) -> None:
-    """What explains a run's results, small enough to keep beside them (README "Evidence"): every stage's
+    """What explains a run's results, small enough to keep beside them (docs/pipeline.md): every stage's
     record, every training stage's per-step metrics, the ranked prompts' states, each ranking's candidate scores
     and pairs (annotated with the oracle on the synthetic tasks), the validation curves and the policies'
     behaviour."""

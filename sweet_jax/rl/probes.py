@@ -1,5 +1,5 @@
 """Probes of what a run's models have learned about *when to answer*, on the synthetic lookup tasks: the
-measurements behind README "Why SWEET-RL loses or wins here". Each is exact (a forward pass), not sampled:
+measurements behind docs/results.md ("The hypotheses, measured"). Each is exact (a forward pass), not sampled:
 
 - answer_probability: P(the reply starts with "I WANT TO ANSWER:" | o_t), the product of the marker tokens'
   probabilities, for turn prompts grouped by state (every value known or not; agent turn index);

@@ -314,7 +314,7 @@ def _grads_and_metrics(spec: LossSpec, graphdef, params, rest, batch, ref_params
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if micro_batch_size:
         mb = micro_batch_size
-    elif platform == "cpu":  # host memory; an accelerator's batch is sized by its preset (README, TPU plans)
+    elif platform == "cpu":  # host memory; an accelerator's batch is sized by its preset (docs/tpu.md)
         batch_devices = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         mb = auto_micro_batch_size(nnx.merge(graphdef, params, rest).config, batch["input_ids"].shape,
                                    batch_devices=batch_devices)
