@@ -202,3 +202,21 @@ def test_auto_keeps_float32_for_models_too_narrow_for_bf16_to_pay():
     wide = dataclasses.replace(CFG, cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN)
     assert narrow.matmul == "xla" and wide.matmul == "auto"
     assert dataclasses.replace(narrow, cpu_matmul="onednn").matmul == "onednn"  # an explicit choice stands
+
+
+def test_loaded_models_and_samplers_take_the_configured_mode(tmp_path):
+    """The pipeline's samplers load Hugging Face checkpoints with its model.cpu_matmul (a user's 'xla' keeps
+    float32 in every stage), also when a loaded sampler is reused for the next policy; without one, the default."""
+    import tiny
+    from sweet_jax.data import demo_paths
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.train.model_loading import load_model
+
+    tok_dir = demo_paths().tokenizer
+    hf_dir = tiny.make_hf_llama(tmp_path / "hf", vocab_size=len(load_tokenizer(str(tok_dir))))
+    assert load_model(str(hf_dir))[0].config.cpu_matmul == LlamaConfig.cpu_matmul
+    assert load_model(str(hf_dir), cpu_matmul="xla")[0].config.cpu_matmul == "xla"
+    sampler = generate.load_sampler(str(hf_dir), str(tok_dir), cpu_matmul="xla_bf16")
+    assert sampler.model.config.cpu_matmul == "xla_bf16"
+    again = generate.load_sampler(str(hf_dir), str(tok_dir), cpu_matmul="xla_bf16", reuse=sampler)
+    assert again is sampler and again.model.config.cpu_matmul == "xla_bf16"

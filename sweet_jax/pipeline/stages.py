@@ -451,7 +451,8 @@ def load_sampler(run: Run, hf_dir: str, *, seed: int):
     dtype = c.model.dtype if c.model.dtype != "float32" else ""
     mesh = model_loading.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
     run.sampler = generate.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
-                                      max_batch_size=c.train.max_batch_size, reuse=run.sampler)
+                                        max_batch_size=c.train.max_batch_size, reuse=run.sampler,
+                                        cpu_matmul=c.model.cpu_matmul)
     return run.sampler
 
 

@@ -724,9 +724,14 @@ def _cache_width(cache) -> int:
 
 
 
+def _matmul(cpu_matmul: str | None) -> dict | None:
+    return None if cpu_matmul is None else {"cpu_matmul": cpu_matmul}
+
+
 def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
-                 max_batch_size: int = 64, chat_template: bool = True, reuse=None):
-    """A Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory).
+                 max_batch_size: int = 64, chat_template: bool = True, reuse=None, cpu_matmul: str | None = None):
+    """A Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory). cpu_matmul: the
+    model.cpu_matmul of a Hugging Face checkpoint (None: LlamaConfig's default; a training run keeps its own).
 
     reuse: a Sampler to load a Hugging Face checkpoint of the same architecture into: only its parameters are
     swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
@@ -734,14 +739,15 @@ def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None =
     gets a new Sampler."""
     if reuse is not None and is_hf_checkpoint(path):
         try:
-            reuse.set_params(load_hf(path, dtype=dtype or None), seed=seed)
+            reuse.set_params(load_hf(path, dtype=dtype or None, config_overrides=_matmul(cpu_matmul)), seed=seed)
             return reuse
         except GenerateError:  # another architecture: a new Sampler (and new compilations)
             pass
 
     run_config = read_config(path) if path and is_training_run(path) else None
     tok = load_tokenizer_for(path, tokenizer, run_config, chat_template=chat_template)
-    model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed)
+    model, _ = load_model(path, dtype=dtype, mesh=mesh if run_config is None else None, tokenizer=tok, seed=seed,
+                          cpu_matmul=cpu_matmul)
     if run_config is not None and mesh is None:
         mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
     return Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)

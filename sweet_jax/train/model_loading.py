@@ -155,13 +155,16 @@ def load_tokenizer_for(path: str, tokenizer: str | None = None, run_config=None,
 
 
 def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None, seed: int = 0,
-               what: str = "model"):
+               what: str = "model", cpu_matmul: str | None = None):
     """(model, the training run's config or None) for a model path (see the module docstring). `tokenizer`
-    sizes the demo model's vocabulary ('' path) and is checked against the loaded one's."""
+    sizes the demo model's vocabulary ('' path) and is checked against the loaded one's. cpu_matmul: the
+    model.cpu_matmul of a Hugging Face checkpoint or the demo model (None: LlamaConfig's default; a training run
+    keeps its own)."""
+    overrides = {} if cpu_matmul is None else {"cpu_matmul": cpu_matmul}
     if not path:
         if tokenizer is None:
             tokenizer = load_tokenizer_for("")
-        config = LlamaConfig.preset("tiny", vocab_size=len(tokenizer), **demo_token_ids(tokenizer))
+        config = LlamaConfig.preset("tiny", vocab_size=len(tokenizer), **demo_token_ids(tokenizer), **overrides)
         return Llama(config, rngs=nnx.Rngs(seed)), None
     p = pathlib.Path(path)
     if not p.exists():
@@ -170,7 +173,7 @@ def load_model(path: str, *, dtype: str | None = None, mesh=None, tokenizer=None
     if is_hf_checkpoint(p):
         if tokenizer is not None:  # before reading the weights
             check_vocab(read_hf_config(p).get("vocab_size", 0), tokenizer, model=f"{what} {path}")
-        return load_hf(str(p), dtype=dtype or None, mesh=mesh), None
+        return load_hf(str(p), dtype=dtype or None, mesh=mesh, config_overrides=overrides or None), None
     if is_training_run(p):
         model, step, run_config = restore_model(p)
         logging.getLogger(__name__).info("%s: step %d of the training run %s", what, step, p)
