@@ -315,6 +315,12 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
     assert sorted(selection["methods"]["sweet_balanced"]["curve"]) == sorted(curve)
     pairs = json.loads((sel_dir / "policies/sweet_balanced/lr0.001/train/config.json").read_text())["data"]["pairs"]
     assert pairs == str(sel_dir / "rank_balanced/pairs.jsonl")
+    from sweet_jax.commands import pipeline_diagnostics
+    pipeline_diagnostics.main([str(sel_dir), "--out", str(tmp_path / "diagnostics.json")])
+    rankings = json.loads((tmp_path / "diagnostics.json").read_text())["rankings"]
+    assert set(rankings) == {"rank", "rank_no_info", "rank_balanced"}   # every ranking with its pairs by kind
+    for r in rankings.values():   # each pair once by kind (the keys without a state in front)
+        assert sum(sum(v.values()) for k, v in r["by_kind"].items() if ":" not in k) == r["pairs"]
 
     # another seed trains the chosen learning rate on the same schedule and plays the chosen step, no validation
     proc = _selection_run(workdir, tmp_path / "frozen", f"--config.select.frozen={sel_dir / 'selection.json'}")

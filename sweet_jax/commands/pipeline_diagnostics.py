@@ -37,9 +37,8 @@ def main(argv=None) -> None:
                             "`python -m sweet_jax.pipeline` run")
     report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
     traj = workdir / "offline" / "trajectories.jsonl"
-    for name in ("rank", "rank_no_info"):
-        if (workdir / name / "pairs.jsonl").exists():
-            report["rankings"][name]["by_kind"] = pair_kinds(workdir / name / "pairs.jsonl", traj)
+    for name, ranking in report["rankings"].items():   # the rankings run_diagnostics found
+        ranking["by_kind"] = pair_kinds(workdir / name / "pairs.jsonl", traj)
     if args.probes:
         report["probes"] = run_probes(workdir)
     text = json.dumps(report, indent=2)

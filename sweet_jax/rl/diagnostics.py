@@ -222,11 +222,15 @@ def behaviour_diagnostics(workdir) -> dict:
     return out
 
 
+# The rankings a pipeline run may hold (its stage directories): with c, without c, on prompts balanced by state.
+RANKINGS = ("rank", "rank_no_info", "rank_balanced")
+
+
 def run_diagnostics(workdir) -> dict:
     workdir = pathlib.Path(workdir)
     traj = workdir / "offline" / "trajectories.jsonl"
     out = {}
-    for name in ("rank", "rank_no_info", "rank_balanced"):
+    for name in RANKINGS:
         pairs = workdir / name / "pairs.jsonl"
         if pairs.exists() and traj.exists():
             out[name] = pair_oracle_agreement(pairs, traj)
