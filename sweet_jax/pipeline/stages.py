@@ -35,7 +35,7 @@ from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack, frontend_evaluat
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.models import Llama, LlamaConfig, load_hf, save_hf
-from sweet_jax.rl import diagnostics, diagnostics as diagnostics_lib, ranking, results as results_lib
+from sweet_jax.rl import diagnostics as diagnostics_lib, ranking, results as results_lib
 from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulator, rollout, summarize
 from sweet_jax.sampling import generate, policy_backend
 from sweet_jax.sandbox import Evaluator
@@ -225,7 +225,7 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 def tokenizer_dir(config) -> str:
     """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint."""
     return model_loading.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
-                                config.init.pretrained)
+                                       config.init.pretrained)
 
 
 def train_config(config, *, kind: str, stage, model_path: str, trajectories: str = "", pairs: str = "",
@@ -873,9 +873,9 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
             if "sweet_balanced" in methods:  # its own turn prompts (balanced by state), the same critic with c
                 s["candidates_balanced"] = run.stage("candidates_balanced", "candidates_balanced", lambda d: (
                     stage_candidates(run, d, policy_hf, traj, balanced=True)))
+                cands_balanced = str(run.path("candidates_balanced", "candidates.jsonl"))
                 s["rank_balanced"] = run.stage("rank_balanced", "rank_balanced", lambda d: stage_rank(
-                    run, d, policy_hf, s["critic"]["hf"], traj, str(d.parent / "candidates_balanced" /
-                                                                    "candidates.jsonl"), use_info=True, balanced=True))
+                    run, d, policy_hf, s["critic"]["hf"], traj, cands_balanced, use_info=True, balanced=True))
         hf = {"zero_shot": policy_hf}
         grid = selection_grid(config)
         if grid is not None and grid.validate and "zero_shot" in methods:
@@ -948,16 +948,16 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     synthetic = run.config.tasks.source == "synthetic" and offline.exists()
     if synthetic and run.path("candidates", DONE).exists():
         trajs = _read_jsonl(offline)
-        write_json(out / "prompts.json", diagnostics.prompt_states(ranked_prompts(run, str(offline)), trajs))
+        write_json(out / "prompts.json", diagnostics_lib.prompt_states(ranked_prompts(run, str(offline)), trajs))
     if synthetic and run.path("candidates_balanced", DONE).exists():
         write_json(out / "prompts_balanced.json",
-                   diagnostics.prompt_states(ranked_prompts(run, str(offline), balanced=True), trajs))
-    for name in ("rank", "rank_no_info", "rank_balanced"):
+                   diagnostics_lib.prompt_states(ranked_prompts(run, str(offline), balanced=True), trajs))
+    for name in diagnostics_lib.RANKINGS:
         pairs, scores = run.path(name, "pairs.jsonl"), run.path(name, "scores.jsonl")
         if not pairs.exists():
             continue
         if synthetic:
-            write_jsonl(out / f"pairs_{name}.jsonl", diagnostics.pair_evidence(pairs, offline,
+            write_jsonl(out / f"pairs_{name}.jsonl", diagnostics_lib.pair_evidence(pairs, offline,
                                                                                max_turns=run.config.eval.max_turns))
         else:
             write_jsonl(out / f"pairs_{name}.jsonl", [{k: v for k, v in r.items() if not k.endswith("_ids")}
@@ -965,11 +965,11 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
         if scores.exists():
             rows = {(r["trajectory_index"], r["turn"]): r for r in _read_jsonl(scores)}  # a resumed batch: last
             if synthetic:
-                rows = {k: diagnostics.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
+                rows = {k: diagnostics_lib.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
                         for k, r in rows.items()}
             write_jsonl(out / f"scores_{name}.jsonl", [rows[k] for k in sorted(rows)])
     if synthetic:
-        write_json(out / "behaviour.json", diagnostics.behaviour_diagnostics(run.workdir))
+        write_json(out / "behaviour.json", diagnostics_lib.behaviour_diagnostics(run.workdir))
 
 
 def iterate_sweet(run: Run, s: dict, grid: Grid | None, selection: dict, round1_hf: str, offline: str):

@@ -52,7 +52,7 @@ from tqdm import tqdm
 from sweet_jax import sharding
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.models import cpu_matmul, load_hf, positions_from_mask
+from sweet_jax.models import cpu_matmul, positions_from_mask
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
 from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
@@ -95,8 +95,6 @@ class SamplingParams:
             raise GenerateError(f"n (samples per prompt) must be >= 1, got {self.n}.")
         if any(not s for s in self.stop):
             raise GenerateError(f"stop strings must be non-empty, got {list(self.stop)!r}.")
-
-
 
 
 @dataclasses.dataclass
@@ -723,11 +721,6 @@ def _cache_width(cache) -> int:
     return cache[0]["v_BKSH"].shape[cache_slot_axis("v_BKSH")]
 
 
-
-def _matmul(cpu_matmul: str | None) -> dict | None:
-    return None if cpu_matmul is None else {"cpu_matmul": cpu_matmul}
-
-
 def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
                  max_batch_size: int = 64, chat_template: bool = True, reuse=None, cpu_matmul: str | None = None):
     """A Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory). cpu_matmul: the
@@ -739,7 +732,7 @@ def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None =
     gets a new Sampler."""
     if reuse is not None and is_hf_checkpoint(path):
         try:
-            reuse.set_params(load_hf(path, dtype=dtype or None, config_overrides=_matmul(cpu_matmul)), seed=seed)
+            reuse.set_params(load_model(path, dtype=dtype, cpu_matmul=cpu_matmul)[0], seed=seed)
             return reuse
         except GenerateError:  # another architecture: a new Sampler (and new compilations)
             pass
