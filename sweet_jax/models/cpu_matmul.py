@@ -129,9 +129,9 @@ def _load() -> str | None:
     return None
 
 
-def unavailable_reason(*, single_device: bool = True) -> str | None:
-    """Why the oneDNN kernel cannot run in this process (None: it can). single_device: also require that JAX sees
-    one device (XLA would replicate the custom call's operands across a multi-device mesh)."""
+def _host_reason(*, single_device: bool = True) -> str | None:
+    """Why this process cannot run bf16 matmuls on the CPU's units (None: it can): not the cpu backend, several
+    devices (with single_device: XLA would replicate a custom call's operands across a mesh), no bf16 units."""
     backend = jax.default_backend()
     if backend != "cpu":
         return f"the JAX backend is {backend}, not cpu"
@@ -139,7 +139,13 @@ def unavailable_reason(*, single_device: bool = True) -> str | None:
         return f"JAX sees {jax.device_count()} devices; the kernel runs on one"
     if not cpu_bf16_flags():
         return f"the processor has none of {', '.join(BF16_FLAGS)} in /proc/cpuinfo"
-    return _load()
+    return None
+
+
+def unavailable_reason(*, single_device: bool = True) -> str | None:
+    """Why the oneDNN kernel cannot run in this process (None: it can). single_device: also require that JAX sees
+    one device (XLA would replicate the custom call's operands across a multi-device mesh)."""
+    return _host_reason(single_device=single_device) or _load()
 
 
 def model_mode(mode: str, hidden_size: int) -> str:
@@ -161,13 +167,11 @@ def bf16_backend(mode: str) -> str | None:
         if reason is not None:
             raise CpuMatmulError(f"model.cpu_matmul='onednn' cannot run here: {reason}; set it to 'auto' or 'xla'")
         return "onednn"
-    flags = cpu_bf16_flags()
-    if jax.default_backend() != "cpu" or jax.device_count() != 1 or not flags:
-        why = (f"the JAX backend is {jax.default_backend()}" if jax.default_backend() != "cpu" else
-               f"JAX sees {jax.device_count()} devices" if jax.device_count() != 1 else
-               f"the processor has none of {', '.join(BF16_FLAGS)}")
+    why = _host_reason()
+    if why is not None:
         log.info("model.cpu_matmul=auto: XLA's matmuls in the compute dtype (%s)", why)
         return None
+    flags = cpu_bf16_flags()
     if "amx_bf16" in flags:  # AMX: XLA's own bf16 dot does not use the tiles, oneDNN does
         reason = _load()
         if reason is None:
