@@ -221,10 +221,33 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def matmul(x_MK: jax.Array, w_KN: jax.Array, backend: str = "onednn") -> jax.Array:
     """float32 [M, N] = bf16(x) @ bf16(w), accumulated in float32 on `backend` (a bf16_backend() answer);
-    differentiable, the cotangents in x's and w's dtypes."""
+    differentiable, the cotangents in x's and w's dtypes. Within `split_activations()`: x in two bf16 halves."""
     if backend == "onednn" and _load() is not None:
         raise CpuMatmulError(f"cpu_matmul.matmul: {_load()}")
+    if _split.get():
+        hi_MK = x_MK.astype(jnp.bfloat16)
+        lo_MK = (x_MK.astype(jnp.float32) - hi_MK.astype(jnp.float32)).astype(jnp.bfloat16)
+        y_2MN = _call(jnp.concatenate([hi_MK, lo_MK]), w_KN.astype(jnp.bfloat16), backend)
+        return y_2MN[:x_MK.shape[0]] + y_2MN[x_MK.shape[0]:]
     return _matmul(x_MK, w_KN, backend, jnp.dtype(x_MK.dtype).name, jnp.dtype(w_KN.dtype).name)
+
+
+_split = contextvars.ContextVar("sweet_jax_cpu_matmul_split_activations", default=False)
+
+
+@contextlib.contextmanager
+def split_activations():
+    """Within it (the sampler's compiled programs trace under it), a bf16 matmul rounds the weights only: x goes
+    in as two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi), stacked into one matmul (the weight is read
+    once; the rows double), so the product carries ~16 of x's mantissa bits. Rounding the activations, not the
+    weights, is what flips greedy tokens: on SmolLM2-135M, 32 greedy tokens of 64 chat prompts matched the
+    float32 sampler on 60 rows with bf16 activations, 63 with bf16-rounded weights and float32 activations
+    (BENCHMARKS.md). Forward only (not differentiable)."""
+    token = _split.set(True)
+    try:
+        yield
+    finally:
+        _split.reset(token)
 
 
 def contract(x, kernel, contracted: int, backend: str) -> jax.Array:

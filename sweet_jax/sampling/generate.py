@@ -263,6 +263,18 @@ def _constrain_batch(tree, mesh, rows: int):
     return jax.tree_util.tree_map_with_path(constrain, tree)
 
 
+def _split_activations(program):
+    """The program traced under cpu_matmul.split_activations(): with bf16 matmuls (model.cpu_matmul), the
+    sampler rounds the weights to bfloat16 (half the bytes each decode step reads) but not the activations, so
+    that its greedy tokens stay those of the float32 sampler (BENCHMARKS.md)."""
+    @functools.wraps(program)
+    def traced(*args, **kwargs):
+        with cpu_matmul.split_activations():
+            return program(*args, **kwargs)
+    return traced
+
+
+@_split_activations
 def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, width: int, mesh):
     """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
     prompt rows into sample rows (prefill shared by n samples)."""
@@ -294,6 +306,7 @@ def _grow_cache(cache, *, width: int, mesh):
     return _constrain_batch(grown, mesh, cache[0]["v_BKSH"].shape[0])
 
 
+@_split_activations
 def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_width: int, width: int, pad_id: int,
             mesh):
     """Run the decode loop from carry['step'] until step_limit or until every row is done, attending over the
