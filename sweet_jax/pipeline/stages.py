@@ -34,7 +34,7 @@ from sweet_jax.envs import synthetic
 from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack, frontend_evaluation, scripted_design_trajectories
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
-from sweet_jax.models import Llama, LlamaConfig, load_hf, save_hf
+from sweet_jax.models import Llama, LlamaConfig, save_hf
 from sweet_jax.rl import diagnostics as diagnostics_lib, ranking, results as results_lib
 from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulator, rollout, summarize
 from sweet_jax.sampling import generate, policy_backend
@@ -619,19 +619,16 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
                                    by_key[p.key].prompt_text, prompt_ids=by_key[p.key].prompt_ids,
                                    token_ids=by_key[p.key].token_ids) for p in batch]
 
-    tok = load_tokenizer(tokenizer_dir(c))
     dtype = c.model.dtype if c.model.dtype != "float32" else None
-    kw = dict(info_template=c.rank.info_template, info_placement=c.rank.info_placement, use_info=use_info,
-              batch_size=c.rank.score_batch_size, bucket=c.train.bucket, max_len=c.train.max_len * 2)
-    matmul = {"cpu_matmul": c.model.cpu_matmul}
-    critic_logp = ranking.ReplyScorer(load_hf(critic_hf, dtype=dtype, config_overrides=matmul), tok, **kw)
-    reference_logp = ranking.ReplyScorer(load_hf(policy_hf, dtype=dtype, config_overrides=matmul), tok, **kw) \
-        if c.rank.rank_reference == "ref_with_info" else None
+    critic_logp, reference_logp = ranking.critic_scorers(
+        critic_hf, policy_hf, load_tokenizer(tokenizer_dir(c)), rank_reference=c.rank.rank_reference, dtype=dtype,
+        seed=c.seed, cpu_matmul=c.model.cpu_matmul, info_template=c.rank.info_template,
+        info_placement=c.rank.info_placement, use_info=use_info, batch_size=c.rank.score_batch_size,
+        bucket=c.train.bucket, max_len=c.train.max_len * 2)
     out = d / "pairs.jsonl"
-    result = ranking.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,
-                                rank_reference=c.rank.rank_reference, num_pairs=c.rank.num_pairs,
-                                seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch, progress=True,
-                                pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
+    result = ranking.rank(prompts, sample_fn, critic_logp, reference_logp, out, rank_reference=c.rank.rank_reference,
+                          num_pairs=c.rank.num_pairs, seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch,
+                          progress=True, pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
     pairs = load_records(out, PolicyPair)
     if not pairs:
         raise PipelineError(f"{out}: no step-level pairs (every turn's candidates tied); raise "
