@@ -194,9 +194,7 @@ def get_config(preset: str = "demo"):
     # Where the policy samples (offline, candidates and eval stages): in_process, or openai = an inference engine
     # (vLLM, SGLang, python -m sweet_jax.serve) started per policy from policy.openai.command after the policy is
     # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/sampling/policy_backend.py.
-    c.policy = ml_collections.ConfigDict()
-    c.policy.backend = "in_process"
-    c.policy.openai = policy_backend.openai_config()
+    c.policy = policy_backend.policy_config()
 
     c.simulator = ml_collections.ConfigDict()
     c.simulator.kind = "synthetic"    # synthetic (data/synthetic.simulator_reply) | hidden_info | openai

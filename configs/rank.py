@@ -30,12 +30,10 @@ def get_config(preset: str = "demo"):
     c.num_trajectories = 0        # first N; 0 = all
     c.skip_bad = False            # drop malformed trajectory lines (reported) instead of failing
 
-    c.policy = ml_collections.ConfigDict()
+    c.policy = policy_backend.policy_config()  # backend (in_process | openai: an engine) and openai
     c.policy.path = ""            # HF directory of the policy that samples candidates; '' = demo tiny random
     c.policy.tokenizer = ""       # '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"
-    c.policy.backend = "in_process"  # in_process | openai: the candidates from an engine (sweet_jax/sampling/policy_backend.py)
-    c.policy.openai = policy_backend.openai_config()
 
     c.critic = ml_collections.ConfigDict()
     c.critic.path = ""            # HF directory of the trained critic (or a training workdir); '' = demo random

@@ -43,7 +43,7 @@ from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.rl import diagnostics
-from sweet_jax.sampling import generate, policy_backend
+from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
 from sweet_jax.train import model_loading, rundir, steps
 
@@ -390,10 +390,8 @@ def run(config, *, accept_config_change: bool = False) -> dict:
         trajectories = trajectories[:config.num_trajectories]
     prompts = turn_prompts(trajectories)
     p = config.policy
-    with policy_backend.policy_sampler(
-            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
-            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
-                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+    with policy_backend.policy_sampler(p, p.path, p.tokenizer, seed=config.seed, dtype=p.dtype, mesh=mesh,
+                                       max_batch_size=config.max_batch_size) as sampler:
         return rank_with(config, prompts, sampler, mesh)
 
 
