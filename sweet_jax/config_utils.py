@@ -15,6 +15,7 @@ from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
+ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")  # loss.advantage_norm (train.losses.turn_advantages)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -85,7 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft
     c.loss.beta = 0.1                 # DPO / Bradley-Terry scale of the log-ratio margins
-    c.loss.advantage_norm = "turn_mean"  # turn_mean (paper) | trajectory_mean (official code) | sum
+    c.loss.advantage_norm = ADVANTAGE_NORMS[0]  # turn_mean (paper) | trajectory_mean (official code) | sum
     c.loss.nll_coef = 0.0             # DPO: weight of the chosen reply's NLL (SWEET-RL actor: 0.01)
     c.loss.nll_scope = "reply"        # reply (the paper) | sequence (official: the whole chosen sequence's NLL)
     c.loss.label_smoothing = 0.0      # DPO: probability that a pair's preference is flipped (conservative DPO)
@@ -206,13 +207,62 @@ RANK_RANGES = {
 }
 
 
+# ==========================================================================================================
+# The pipeline's training stages: train configs composed from the pipeline config's sections
+# ==========================================================================================================
+
+# A training stage's section of the pipeline config (configs/pipeline.py: init.sft, critic, sweet, mtdpo, rft):
+# each field -> the train config field it sets, whose range (TRAIN_RANGES) and check (check_config) it has. Its
+# default is that field's (base_config), except STAGE_DEFAULTS: the pipeline's short stages.
+STAGE_FIELDS = {"num_steps": "train.num_steps", "epochs": "train.epochs", "lr": "optim.lr",
+                "warmup_ratio": "optim.warmup_ratio", "batch_size": "train.batch_size", "beta": "loss.beta",
+                "nll_coef": "loss.nll_coef", "label_smoothing": "loss.label_smoothing",
+                "advantage_norm": "loss.advantage_norm", "eval_fraction": "data.eval_fraction",
+                "ckpt_every": "train.ckpt_every"}
+# eval_fraction: of this stage's *tasks*, held out for its own eval metrics; ckpt_every > 0: a checkpoint kept every
+# this many steps (evidence of the run's course).
+STAGE_DEFAULTS = {"lr": 1e-3, "warmup_ratio": 0.05, "eval_fraction": 0.0, "ckpt_every": 0}
+
+# The pipeline config's fields shared by its training stages -> the train config field each one sets (a field the
+# pipeline config lacks keeps the train config's default: collect.pair_rule and min_gap are the frontend track's).
+SHARED_FIELDS = {"model.dtype": "model.dtype", "model.remat": "model.remat", "model.scan_layers": "model.scan_layers",
+                 "model.attention_impl": "model.attention_impl", "model.cpu_matmul": "model.cpu_matmul",
+                 "train.max_len": "data.max_len", "train.bucket": "data.bucket",
+                 "rank.info_template": "data.info_template", "rank.info_placement": "data.info_placement",
+                 "collect.pair_rule": "data.pair_rule", "collect.min_gap": "data.min_gap",
+                 "train.micro_batch_size": "train.micro_batch_size", "train.ref_logp": "train.ref_logp",
+                 "train.mesh_shape": "mesh.shape"}
+
+
+def stage_config(**values) -> ml_collections.ConfigDict:
+    """A training stage's section of the pipeline config (STAGE_FIELDS), `values` over its defaults."""
+    unknown = set(values) - set(STAGE_FIELDS)
+    if unknown:
+        raise TrainConfigError(f"not a training stage field: {', '.join(sorted(unknown))} (use {', '.join(STAGE_FIELDS)})")
+    base = base_config()
+    return ml_collections.ConfigDict({name: values.get(name, STAGE_DEFAULTS.get(name, config_get(base, field)))
+                                      for name, field in STAGE_FIELDS.items()})
+
+
+def stage_train_config(pipeline: ml_collections.ConfigDict, stage: ml_collections.ConfigDict
+                       ) -> ml_collections.ConfigDict:
+    """The train config (base_config) of one training stage of a pipeline config: its shared fields
+    (SHARED_FIELDS) and the stage section's (STAGE_FIELDS) set over the train config's defaults."""
+    c = base_config()
+    for source, target in SHARED_FIELDS.items():
+        try:
+            value = config_get(pipeline, source)
+        except (KeyError, AttributeError):
+            continue
+        config_set(c, target, tuple(value) if target == "mesh.shape" else value)
+    for name, target in STAGE_FIELDS.items():
+        config_set(c, target, stage[name])
+    return c
+
+
 # The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' values are checked
 # again as training configs (TRAIN_RANGES) when each stage starts.
-_STAGE_RANGES = {"num_steps": (int, at_least(0), "0 = from epochs"), "epochs": (int, at_least(0), "passes"),
-                 "lr": TRAIN_RANGES["optim.lr"], "warmup_ratio": TRAIN_RANGES["optim.warmup_ratio"],
-                 "batch_size": TRAIN_RANGES["train.batch_size"], "beta": TRAIN_RANGES["loss.beta"],
-                 "nll_coef": TRAIN_RANGES["loss.nll_coef"], "label_smoothing": TRAIN_RANGES["loss.label_smoothing"],
-                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"], "ckpt_every": TRAIN_RANGES["train.ckpt_every"]}
+_STAGE_RANGES = {name: TRAIN_RANGES[field] for name, field in STAGE_FIELDS.items() if field in TRAIN_RANGES}
 PIPELINE_RANGES = {
     "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
     "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
@@ -277,7 +327,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
     check_ranges(config, TRAIN_RANGES)
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
-    need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
+    need(config.loss.advantage_norm in ADVANTAGE_NORMS, "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
     need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
@@ -318,6 +368,11 @@ def config_get(config, dotted: str):
     for part in dotted.split("."):
         node = node[part]
     return node
+
+
+def config_set(config, dotted: str, value) -> None:
+    section, _, name = dotted.rpartition(".")
+    (config_get(config, section) if section else config)[name] = value
 
 
 def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:

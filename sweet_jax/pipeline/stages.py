@@ -260,44 +260,20 @@ def load_task_split(run: Run, split: str) -> list[dict]:
 
 def train_config(config, *, kind: str, stage, model_path: str, tokenizer: str = "", trajectories: str = "",
                  pairs: str = "", use_info: bool = False, seed_offset: int = 0) -> ml_collections.ConfigDict:
-    """A sweet_jax.train config (the fields of configs/critic.py and configs/policy.py) for one stage; tokenizer:
-    the run's (Run.tokenizer_dir; '' = the trainer's rule, model_path's or the demo tokenizer)."""
-    c = config_utils.base_config()
+    """A sweet_jax.train config (the fields of configs/critic.py and configs/policy.py) for one stage: the pipeline
+    config's shared fields and the stage section's (config_utils.stage_train_config), and this stage's own.
+    tokenizer: the run's (Run.tokenizer_dir; '' = the trainer's rule, model_path's or the demo tokenizer)."""
+    c = config_utils.stage_train_config(config, stage)
     c.model.path = model_path
-    c.model.dtype = config.model.dtype
-    c.model.remat = config.model.remat
-    c.model.scan_layers = config.model.scan_layers
-    c.model.attention_impl = config.model.attention_impl
-    c.model.cpu_matmul = config.model.cpu_matmul
     c.data.tokenizer = tokenizer
     c.data.trajectories = trajectories
     c.data.pairs = pairs
-    c.data.max_len = config.train.max_len
-    c.data.bucket = config.train.bucket
-    c.data.eval_fraction = stage.eval_fraction
-    c.data.info_template = config.rank.info_template
-    c.data.info_placement = config.rank.info_placement
-    c.data.pair_rule = config.collect.get("pair_rule", "best_success")
-    c.data.min_gap = config.collect.get("min_gap", 0.0)
-    c.train.batch_size = stage.batch_size
-    c.train.micro_batch_size = config.train.micro_batch_size
-    c.train.num_steps = stage.num_steps
-    c.train.epochs = stage.epochs
     c.train.seed = config.seed + seed_offset
     c.train.log_every = 1             # every step's metrics: the results keep them as evidence
     c.train.eval_every = 0
-    c.train.ckpt_every = stage.get("ckpt_every", 0)
     c.train.keep_ckpts = 1 if not c.train.ckpt_every else 1000
-    c.train.ref_logp = config.train.ref_logp
-    c.optim.lr = stage.lr
-    c.optim.warmup_ratio = stage.warmup_ratio
     c.loss.kind = kind
-    c.loss.beta = stage.beta
-    c.loss.nll_coef = stage.nll_coef
-    c.loss.label_smoothing = stage.label_smoothing
-    c.loss.advantage_norm = stage.advantage_norm
     c.loss.use_info = use_info
-    c.mesh.shape = tuple(config.train.mesh_shape)
     return c
 
 

@@ -14,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from sweet_jax.config_utils import ADVANTAGE_NORMS
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul
 
-ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")
 NLL_SCOPES = ("reply", "sequence")
 
 
