@@ -86,7 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss = ml_collections.ConfigDict()
     c.loss.kind = "critic"            # critic | dpo | mtdpo | rft
     c.loss.beta = 0.1                 # DPO / Bradley-Terry scale of the log-ratio margins
-    c.loss.advantage_norm = ADVANTAGE_NORMS[0]  # turn_mean (paper) | trajectory_mean (official code) | sum
+    c.loss.advantage_norm = "turn_mean"  # turn_mean (paper) | trajectory_mean (official code) | sum
     c.loss.nll_coef = 0.0             # DPO: weight of the chosen reply's NLL (SWEET-RL actor: 0.01)
     c.loss.nll_scope = "reply"        # reply (the paper) | sequence (official: the whole chosen sequence's NLL)
     c.loss.label_smoothing = 0.0      # DPO: probability that a pair's preference is flipped (conservative DPO)
