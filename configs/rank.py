@@ -18,10 +18,11 @@ Presets:
 """
 import ml_collections
 
+from sweet_jax import config_utils
 from sweet_jax.sampling import policy_backend
 
 # The critic must read c exactly as it was trained: keep these equal to the critic run's data settings.
-OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
+OFFICIAL_INFO_TEMPLATE = config_utils.base_config().data.info_template
 
 
 def get_config(preset: str = "demo"):

@@ -10,6 +10,7 @@ import pathlib
 import ml_collections
 
 from sweet_jax import sharding
+from sweet_jax.data.render import OFFICIAL_INFO_TEMPLATE
 from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
 from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig
@@ -51,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.bucket = 128               # sequence lengths are rounded up to a multiple of this
     c.data.length_policy = "truncate"  # truncate | drop | cut_right (official): sequences longer than max_len
     c.data.mask_style = "turns"       # turns (reply + end-of-turn) | official (the fork's mask, data/render.py)
-    c.data.info_template = "In light that the final answer is: {ground_truth}."  # the official code's wording
+    c.data.info_template = OFFICIAL_INFO_TEMPLATE  # how c is said: the official code's wording
     c.data.info_placement = "system"  # system | first_user | raw_prefix: where c goes (see data/render.py)
     c.data.eval_fraction = 0.1        # fraction of *tasks* held out for evaluation
     c.data.eval_split = "tasks"       # tasks (held out) | first_rows (official: the first rows, trained on too)
