@@ -317,7 +317,8 @@ def get_config(preset: str = "demo"):
         c.init.path = ""              # set: the HF directory of Llama-3.1-8B-Instruct
         c.collect.best_of = 3         # the official offline file: 3 samples of each task
         c.collect.max_new_tokens = 1024
-        c.critic = config_utils.stage_config(epochs=4, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03, eval_fraction=0.02)
+        c.critic = config_utils.stage_config(epochs=4, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03,
+                                             eval_fraction=0.02)
         c.rank.max_prompts = 0
         c.rank.num_candidates = 16
         c.rank.num_pairs = 4

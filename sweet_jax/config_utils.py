@@ -239,7 +239,8 @@ def stage_config(**values) -> ml_collections.ConfigDict:
     """A training stage's section of the pipeline config (STAGE_FIELDS), `values` over its defaults."""
     unknown = set(values) - set(STAGE_FIELDS)
     if unknown:
-        raise TrainConfigError(f"not a training stage field: {', '.join(sorted(unknown))} (use {', '.join(STAGE_FIELDS)})")
+        raise TrainConfigError(f"not a training stage field: {', '.join(sorted(unknown))} (the fields: "
+                               f"{', '.join(STAGE_FIELDS)})")
     base = base_config()
     return ml_collections.ConfigDict({name: values.get(name, STAGE_DEFAULTS.get(name, config_get(base, field)))
                                       for name, field in STAGE_FIELDS.items()})

@@ -69,7 +69,8 @@ class Run:
 
     @property
     def tokenizer_dir(self) -> str:
-        """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint's."""
+        """The tokenizer every model of a run reads, the starting policy's: model.tokenizer, else the starting
+        checkpoint's."""
         c = self.config
         return model_loading.tokenizer_dir(c.model.tokenizer, c.init.path if c.init.kind == "path" else "",
                                            c.init.pretrained)
@@ -175,10 +176,6 @@ def _short(summary: dict) -> str:
     return text if len(text) < 300 else text[:300] + "..."
 
 
-def _read_jsonl(path) -> list[dict]:
-    return jsonl.read(path)
-
-
 def methods_of(config) -> list[str]:
     methods = [m.strip() for m in str(config.methods).split(",") if m.strip()]
     bad = [m for m in methods if m not in ALL_METHODS]
@@ -251,7 +248,7 @@ def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dic
 
 
 def load_task_split(run: Run, split: str) -> list[dict]:
-    return _read_jsonl(run.path("tasks", f"{split}.jsonl"))
+    return jsonl.read(run.path("tasks", f"{split}.jsonl"))
 
 
 # ==========================================================================================================
@@ -340,8 +337,9 @@ def reuse_init(run: Run, d: pathlib.Path) -> dict:
                             "pipeline first (or set init.from_run='' to train the starting policy here)")
     theirs = json.loads((src / "pipeline_config.json").read_text())
     ours = json.loads(run.config.to_json_best_effort())
-    differ = [f for key in INIT_FIELDS for f in _diff({key: theirs.get(key)}, {key: ours.get(key)})
-              if f != "init.from_run" and f not in LAYOUT_FIELDS]
+    differ = [field for key in INIT_FIELDS
+              for field, _, _ in rundir.config_changes({key: theirs.get(key)}, {key: ours.get(key)})
+              if field != "init.from_run" and field not in LAYOUT_FIELDS]
     if differ:
         raise PipelineError(f"config.init.from_run={str(src)!r} was trained with other settings ({', '.join(differ)}); "
                             "use the same values or set init.from_run=''")
@@ -470,7 +468,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
         collected = d / "collected.jsonl"
         run.play(policy_hf, load_task_split(run, "train"), collected, c.collect, best_of=c.collect.best_of,
                  seed=c.seed + 100)
-        trajs = _read_jsonl(collected)
+        trajs = jsonl.read(collected)
         if c.collect.scripted_per_task and run.frontend:
             scripted = scripted_design_trajectories(load_task_split(run, "train"), run.scorer, seed=c.seed + 1,
                                                     per_task=c.collect.scripted_per_task)
@@ -770,9 +768,9 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "stages": {k: v for k, v in summaries.items() if isinstance(v, dict)},
     }
     if run.frontend:  # mean CLIP cosine, and win rate against the zero-shot policy's answers to the same tasks
-        zero_shot = _read_jsonl(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
+        zero_shot = jsonl.read(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
         for m in methods:
-            e = frontend_evaluation(_read_jsonl(run.path("eval", m, "trajectories.jsonl")), zero_shot)
+            e = frontend_evaluation(jsonl.read(run.path("eval", m, "trajectories.jsonl")), zero_shot)
             win = e.get("win_rate")
             results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
                                          win_rate_pct=100.0 * win if win is not None else float("nan"))
@@ -903,7 +901,7 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     offline = run.path("offline", "trajectories.jsonl")
     synthetic = run.config.tasks.source == "synthetic" and offline.exists()
     if synthetic and run.path("candidates", DONE).exists():
-        trajs = _read_jsonl(offline)
+        trajs = jsonl.read(offline)
         write_json(out / "prompts.json", diagnostics_lib.prompt_states(ranked_prompts(run, str(offline)), trajs))
     if synthetic and run.path("candidates_balanced", DONE).exists():
         write_json(out / "prompts_balanced.json",
@@ -917,9 +915,9 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
                                                                                max_turns=run.config.eval.max_turns))
         else:
             write_jsonl(out / f"pairs_{name}.jsonl", [{k: v for k, v in r.items() if not k.endswith("_ids")}
-                                                       for r in _read_jsonl(pairs)])
+                                                       for r in jsonl.read(pairs)])
         if scores.exists():
-            rows = {(r["trajectory_index"], r["turn"]): r for r in _read_jsonl(scores)}  # a resumed batch: last
+            rows = {(r["trajectory_index"], r["turn"]): r for r in jsonl.read(scores)}  # a resumed batch: last
             if synthetic:
                 rows = {k: diagnostics_lib.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
                         for k, r in rows.items()}
@@ -987,7 +985,7 @@ def stage_round_offline(run: Run, d: pathlib.Path, policy_hf: str, round_index: 
 
 
 def _concatenate(paths: Sequence[str], out: pathlib.Path) -> pathlib.Path:
-    write_jsonl(out, [r for p in paths for r in _read_jsonl(p)])
+    write_jsonl(out, [r for p in paths for r in jsonl.read(p)])
     return out
 
 
@@ -1017,14 +1015,3 @@ def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = F
         log.warning("config changed on this rerun (recorded in pipeline_config_changes.jsonl); finished stages keep "
                     "their results, only the remaining ones use the new values: %s",
                     "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
-
-
-def _diff(a, b, prefix="") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in set(a) | set(b):
-            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [prefix.rstrip(".")] if a != b else []
-
-

@@ -81,7 +81,7 @@ def policy_config() -> ml_collections.ConfigDict:
     """Where the policy samples, the `policy` block of the rollout, rank and pipeline configs (policy_sampler reads
     it): backend and its `openai` settings. Declared, defaulted and checked (check_backend) here only."""
     c = ml_collections.ConfigDict()
-    c.backend = "in_process"      # in_process (this process) | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
+    c.backend = "in_process"      # in_process | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
     c.openai = openai_config()
     return c
 
