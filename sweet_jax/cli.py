@@ -20,12 +20,22 @@ import argparse
 import ast
 import difflib
 import importlib.util
+import inspect
+import io
 import logging
 import os
 import pathlib
+import runpy
 import sys
 import textwrap
+import tokenize
+import traceback
 from typing import Any, Callable, Sequence
+
+import ml_collections
+from absl import app, flags
+from absl import logging as absl_logging
+from tqdm import tqdm
 
 from sweet_jax import host_malloc
 from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error
@@ -105,8 +115,6 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
 def default_preset_note(argv: Sequence[str]) -> str | None:
     """A `--config FILE` without `:PRESET` runs the file's default preset: say which, so that a run is never the
     demo by accident. None when a preset is named (or there is no --config)."""
-    import inspect
-
     value = next((a[len("--config="):] for a in argv if a.startswith("--config=")), None)
     if value is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
         value = argv[argv.index("--config") + 1]
@@ -131,7 +139,6 @@ class _BarSafeHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
@@ -149,11 +156,7 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.getLogger("__main__").setLevel(level)  # a command's own `logging.getLogger(__name__)`
     for name in ("absl", "jax._src.xla_bridge", "jax._src.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:  # absl's own handler would print every record a second time
-        from absl import logging as absl_logging
-        absl_logging.get_absl_handler().setLevel(logging.CRITICAL + 1)
-    except ImportError:
-        pass
+    absl_logging.get_absl_handler().setLevel(logging.CRITICAL + 1)  # absl's own would print each record again
 
 
 # ==========================================================================================================
@@ -190,7 +193,6 @@ def guarded(body: Callable[[], Any]) -> Any:
 
 def _debug_traceback() -> None:
     if os.environ.get(DEBUG_VAR):
-        import traceback
         traceback.print_exc()
 
 
@@ -243,9 +245,6 @@ def _load_config_module(path: pathlib.Path):
 def field_comments(*paths: pathlib.Path) -> dict[str, str]:
     """What each config field means, read from where it is created: `c.data.max_len = 1024  # tokens per
     sequence` in a config file (or config_utils.base_config) -> {'data.max_len': 'tokens per sequence'}."""
-    import io
-    import tokenize
-
     comments: dict[str, str] = {}
     for path in paths:
         try:
@@ -270,7 +269,6 @@ def field_comments(*paths: pathlib.Path) -> dict[str, str]:
 
 
 def _leaves(config, prefix: str = "") -> dict[str, Any]:
-    import ml_collections
     out: dict[str, Any] = {}
     for key in sorted(config.keys()):
         value = config[key]
@@ -338,13 +336,11 @@ def config_help(config_arg: str | None, default_files: Sequence[str]) -> str:
 
 def define_accept_config_change(record: str) -> None:
     """The --accept_config_change flag of every command that writes results (rundir.record_config's rule)."""
-    from absl import flags
     flags.DEFINE_bool("accept_config_change", False, "rerun on results made with another config: go on with the "
                       f"new values (the change is recorded in {record}); without it such a rerun is refused")
 
 
 def _flag_lines(names: Sequence[str]) -> str:
-    from absl import flags
     lines = []
     for name in names:
         flag = flags.FLAGS[name]
@@ -371,8 +367,6 @@ def _module_doc(module_name: str) -> str:
 def config_flag_error(argv: Sequence[str], error: Exception, *, default_config: str | None = None) -> str:
     """One line for a failed flag parse: an unknown --config.FIELD names itself and the closest field.
     default_config: the config file:preset the command uses without --config."""
-    import ml_collections
-
     config_value = default_config
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):
@@ -443,7 +437,6 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
         code = guarded(lambda: main(sys.argv[1:]))
         sys.exit(code if isinstance(code, int) else 0)
 
-    from absl import app, flags
     argv = [sys.argv[0]] + resolve_config_args(flag_spellings(sys.argv[1:]))
     sys.argv = argv  # config_flags reads the --config.FIELD overrides from sys.argv
     before = set(flags.FLAGS)
@@ -495,8 +488,6 @@ def _calling_module() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`sweet-jax COMMAND [FLAGS]`: the same as `python -m sweet_jax.COMMAND [FLAGS]`."""
-    import runpy
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         lines = ["usage: sweet-jax COMMAND [FLAGS]   (the same as python -m sweet_jax.COMMAND; COMMAND --help "

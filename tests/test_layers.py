@@ -1,21 +1,25 @@
 """The layering of the package, read from the source with ast: every import (top level or inside a function) of
 every module points down the layer order below or stays inside its own layer, no two modules import each other
 through any chain, the command-line programs sit on top and no library module imports one, and the imports of the
-package's own modules are at the top of each module (the few exceptions say why on their line)."""
+package's own modules are at the top of each module (the few exceptions say why on their line), and so are the
+third-party and standard-library ones but those sweet_jax/lazy.py imports on first use."""
 from __future__ import annotations
 
 import ast
 import importlib.util
 import pathlib
+import sys
+
+import pytest
 
 import sweet_jax
-from sweet_jax import cli
+from sweet_jax import cli, lazy
 
 PACKAGE = pathlib.Path(sweet_jax.__file__).resolve().parent
 
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
 LAYERS = (
-    ("errors", "jsonl", "host_malloc", "http_bounds", "sharding", "cli", "old_names"),  # no ColBench, no model
+    ("errors", "jsonl", "host_malloc", "http_bounds", "sharding", "cli", "old_names", "lazy"),  # no ColBench, no model
     ("sandbox",),        # runs code; knows no record type
     ("data",),           # records, tokenizers, rendering, pairs, batching
     ("models",),         # the Llama family and its checkpoint formats (GGUF reads a tokenizer: data)
@@ -30,7 +34,7 @@ LAYERS = (
 LAYER = {top: i for i, names in enumerate(LAYERS) for top in names}
 COMMANDS_LAYER = LAYER["commands"]
 BOTTOM = {"jsonl": {"errors"}, "errors": set(), "cli": {"errors", "host_malloc"}, "host_malloc": set(),
-          "old_names": set()}
+          "old_names": set(), "lazy": set()}
 MAX_FUNCTION_LEVEL_IMPORTS = 20  # of the package's own modules, each with its reason on its line
 
 
@@ -82,6 +86,22 @@ def own_imports(path: pathlib.Path) -> list[tuple[str, bool, int, str]]:
 
     visit(ast.parse(source), False)
     return out
+
+
+def other_imports_in_functions(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, text) of every import inside a function that is not of the package's own modules."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for child in ast.walk(node):
+                own = (isinstance(child, ast.ImportFrom) and (child.level or (child.module or "").startswith(
+                    "sweet_jax"))) or (isinstance(child, ast.Import) and all(
+                        a.name.startswith("sweet_jax") for a in child.names))
+                if isinstance(child, (ast.Import, ast.ImportFrom)) and not own:
+                    out.append((child.lineno, lines[child.lineno - 1].strip()))
+    return sorted(set(out))
 
 
 def layer_of(module: str) -> int:
@@ -157,6 +177,19 @@ def test_own_imports_are_at_the_top_but_a_few_that_say_why():
     assert not without_reason, without_reason
 
 
+def test_other_imports_are_at_the_top_but_lazy_ones_and_the_sandbox_s_that_say_why():
+    """Heavy or optional third-party packages load on first use in one place, sweet_jax/lazy.py; the sandbox
+    package (the standard library and numpy only, no sweet_jax module) keeps its own, each saying why."""
+    inside = {f"sweet_jax/{path.relative_to(PACKAGE)}:{line}: {text}"
+              for name, path in MODULES.items() if name != "lazy"
+              for line, text in other_imports_in_functions(path)}
+    outside_sandbox = [entry for entry in inside if not entry.startswith("sweet_jax/sandbox/")]
+    assert not outside_sandbox, outside_sandbox
+    assert all("#" in entry for entry in inside), inside
+    assert [text for _, text in other_imports_in_functions(PACKAGE / "lazy.py")] == [], \
+        "lazy.py imports through importlib.import_module, so that its functions are the only place"
+
+
 def test_every_command_is_a_module_of_commands_with_main_flags_and_help_configs():
     for name in cli.COMMANDS:
         tree = ast.parse((PACKAGE / "commands" / f"{name}.py").read_text())
@@ -173,3 +206,13 @@ def test_every_command_keeps_its_old_module_name():
         assert spec is not None, name
         if spec.submodule_search_locations is not None:  # a package: runpy runs its __main__
             assert importlib.util.find_spec(f"sweet_jax.{name}.__main__") is not None, name
+
+
+def test_a_missing_optional_package_says_which_feature_needs_it_and_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "selenium.webdriver", None)  # what importing an absent package does
+    with pytest.raises(ImportError, match=r"the frontend track's browser needs .*'selenium'.*pip install selenium"):
+        lazy.selenium_webdriver()
+
+
+def test_plots_draw_to_files_on_the_agg_backend():
+    assert lazy.pyplot().get_backend().lower() == "agg"

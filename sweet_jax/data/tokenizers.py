@@ -16,8 +16,10 @@ import tempfile
 import time
 from typing import Iterable, Iterator
 
+import sentencepiece as spm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from sweet_jax import lazy
 from sweet_jax.errors import SweetJaxError
 
 
@@ -146,8 +148,7 @@ LLAMA3_SPLIT_PATTERN = (
 def load_tokenizer(path, *, require_chat_template: bool = True):
     """Load a Hugging Face tokenizer from a local directory; it must carry a chat template (unless not
     require_chat_template: a server's plain completions need none)."""
-    import transformers
-
+    transformers = lazy.transformers()
     path = pathlib.Path(os.fspath(path))
     if not path.is_dir():
         raise TokenizerError(f"tokenizer directory {path} does not exist; pass the checkpoint or tokenizer "
@@ -219,8 +220,7 @@ def default_training_text(max_files: int = 80, extra_files: Iterable = ()) -> It
 def build_llama3_tokenizer(out_dir, texts: Iterable[str], *, vocab_size: int = 2048,
                            chat_template: str = LLAMA3_CHAT_TEMPLATE):
     """Train a Llama-3-style byte-level BPE tokenizer on `texts` and save it as a HF tokenizer directory."""
-    import transformers
-
+    transformers = lazy.transformers()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
@@ -260,9 +260,7 @@ def _write_portable_config(out_dir: pathlib.Path, hf, tokenizer_class: str):
 def build_llama2_tokenizer(out_dir, texts: Iterable[str], *, vocab_size: int = 512,
                            chat_template: str = LLAMA2_CHAT_TEMPLATE):
     """Train a Llama-2-style sentencepiece BPE (byte fallback) model and save it with a Llama 2 chat template."""
-    import sentencepiece as spm
-    import transformers
-
+    transformers = lazy.transformers()
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,6 +52,7 @@ from typing import Sequence
 
 from PIL import Image
 
+from sweet_jax import lazy
 from sweet_jax.data.frontend import MAX_PLACEHOLDER_SIDE, PLACEHOLDER_HOST, placeholder_url
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sandbox.evaluator import _MemoryCgroups
@@ -273,9 +274,7 @@ class Renderer:
         self.restarts = 0
 
     def _start(self):
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-
+        webdriver = lazy.selenium_webdriver()
         self._profile = tempfile.mkdtemp(prefix="sweet_jax_chromium_")
         options = webdriver.ChromeOptions()
         options.binary_location = self.browser
@@ -290,8 +289,8 @@ class Renderer:
         # Own session: a hung browser is killed with its whole process group. Its memory bound holds the whole
         # browser (a cgroup) or each of its processes (a data limit).
         preexec, self._release_memory_bound = memory_bound(self.memory_mb, _MemoryCgroups())
-        service = Service(self.driver_path, log_output=os.devnull,
-                          popen_kw={"start_new_session": True, "preexec_fn": preexec})
+        service = webdriver.ChromeService(self.driver_path, log_output=os.devnull,
+                                          popen_kw={"start_new_session": True, "preexec_fn": preexec})
         driver = webdriver.Chrome(options=options, service=service)
         driver.set_page_load_timeout(self.time_limit_s)
         driver.set_script_timeout(self.time_limit_s)

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import httpx2
 import openai
 
 from sweet_jax import http_bounds
@@ -92,8 +93,6 @@ def _retryable(error: Exception) -> bool:
 def bounded_http_client(timeout_s: float, max_bytes: int):
     """An HTTP client for the openai library whose every request has timeout_s in all (not per socket read) and
     an answer of at most max_bytes (sweet_jax.http_bounds); past either it fails like a timeout, and is retried."""
-    import httpx2
-
     class BoundedTransport(httpx2.HTTPTransport):
         def handle_request(self, request):
             deadline = time.monotonic() + timeout_s

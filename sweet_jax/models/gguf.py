@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from sweet_jax import lazy
 from sweet_jax.data.tokenizers import LLAMA3_SPLIT_PATTERN, TokenizerError, check_chat_template
 from sweet_jax.models.hf import HFCheckpointError, UnsupportedModelError, load_params, save_hf
 from sweet_jax.models.llama import Llama, LlamaConfig, rope_inv_freq
@@ -311,9 +312,7 @@ def load_gguf_tokenizer(path, reader=None, *, require_chat_template: bool = True
     """A transformers PreTrainedTokenizerFast built from the file's tokenizer.ggml.* metadata, with its
     bos/eos/unk/pad tokens and tokenizer.chat_template. Byte-level BPE ('gpt2': Llama 3, SmolLM2, ...) and
     sentencepiece BPE with byte fallback ('llama': Llama 2, Mistral, TinyLlama, ...) are supported."""
-    import transformers
-
-
+    transformers = lazy.transformers()
     path = resolve_path(path)
     reader = reader or _open(path)
     tokens = _metadata(reader, "tokenizer.ggml.tokens")
@@ -402,8 +401,7 @@ def _sentencepiece_bpe(path, reader, tokens):
     """Sentencepiece BPE as a tokenizers BPE with byte fallback: '▁' for spaces, merges ranked by the merged
     piece's score when the file lists none (transformers.tokenization_utils_base.generate_merges, as
     transformers' GGUF loading derives them)."""
-    from transformers.tokenization_utils_base import generate_merges
-
+    generate_merges = lazy.generate_merges()
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = _metadata(reader, "tokenizer.ggml.merges")
     if merges is not None:

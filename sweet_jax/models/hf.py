@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -256,7 +257,6 @@ def _read_safetensors_header(file: pathlib.Path) -> tuple[dict, int]:
 
 def _model_file(path: pathlib.Path, name, where) -> pathlib.Path:
     """`name` (from the index) as a file of the model directory: a relative path that stays inside it."""
-    import os
     if not isinstance(name, str) or not name or os.path.isabs(name) or \
             os.path.normpath(name).split(os.sep)[0] == os.pardir:
         raise HFCheckpointError(f"{where}: names the file {name!r}, which is not inside the model directory {path}; "

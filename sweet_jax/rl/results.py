@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sweet_jax import lazy
 from sweet_jax.errors import SweetJaxError
 
 # Rows in the paper's order (its Table 1), with the names it uses.
@@ -180,10 +181,7 @@ def _diagnostics(runs: Sequence[dict]) -> list[str]:
 
 def bar_chart(runs: Sequence[dict], png_path, *, title: str = "") -> pathlib.Path:
     """Grouped bars: % tests passed and success rate per method (error bars = std over runs)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = lazy.pyplot()
     methods = [m for m in METHOD_NAMES if any(m in r["methods"] for r in runs)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(methods)), 4.0))
     width = 0.38

@@ -24,10 +24,12 @@ import builtins
 import ctypes
 import errno
 import gc
+import importlib.util
 import os
 import resource
 import select
 import signal
+import site
 import sys
 import time
 import types
@@ -180,8 +182,6 @@ PACKAGES_DIR = "/sandbox-packages"
 
 def _package_dirs():
     """[(name, host directory)] of SANDBOX_PACKAGES and the shared libraries their wheels carry."""
-    import importlib.util
-
     found = []
     for name in SANDBOX_PACKAGES:
         try:
@@ -200,8 +200,6 @@ def _package_dirs():
 
 def _site_dirs():
     """Every site-packages / dist-packages directory of this interpreter (to be hidden)."""
-    import site
-
     prefixes = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
     dirs = set(site.getsitepackages(list(prefixes)))
     dirs.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))

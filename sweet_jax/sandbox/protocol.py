@@ -32,6 +32,8 @@ This module is also imported, stand-alone, by the worker script (sandbox/_worker
 depends on the standard library only.
 """
 
+import collections
+import fractions
 import json
 import math
 import struct
@@ -142,9 +144,6 @@ def shared_nans(modules):
 def official_plain(value, modules, depth=0):
     """compat="sweet_rl", inside the child: well-known value types -> the plain values Python == equates them
     with (see the module docstring); anything else is returned as it is (encode_value then refuses it)."""
-    import collections
-    import fractions
-
     if depth > MAX_DEPTH:
         return value
     t = type(value)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweet_jax import jsonl
+from sweet_jax import jsonl, lazy
 from sweet_jax.config_utils import writer_names
 from sweet_jax.jsonl import write_atomic
 
@@ -118,8 +118,7 @@ class TensorBoardWriter:
     """Event files in LOGDIR/tensorboard (tensorboardX): `tensorboard --logdir DIR` reads every run below DIR."""
 
     def __init__(self, logdir: pathlib.Path, **_):
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(str(logdir / "tensorboard"))
+        self._tb = lazy.tensorboard_writer()(str(logdir / "tensorboard"))
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
@@ -137,9 +136,9 @@ class WandbWriter:
 
     def __init__(self, logdir: pathlib.Path, *, project: str = "sweet_jax", mode: str = "offline", group: str = "",
                  name: str = "", config: dict | None = None):
-        import wandb   # ImportError: the caller says so and goes on without W&B
         run_id = hashlib.sha1(str(logdir.resolve()).encode()).hexdigest()[:16]
-        self._run = wandb.init(project=project or "sweet_jax", mode=mode or "offline", group=group or None,
+        self._run = lazy.wandb().init(  # ImportError: the caller says so and goes on without W&B
+            project=project or "sweet_jax", mode=mode or "offline", group=group or None,
                                name=name or logdir.name, id=run_id, resume="allow", dir=str(logdir),
                                config=config or {}, reinit=True)
 
@@ -253,10 +252,7 @@ def smoothed(ys, window: int) -> list[float]:
 def plot_curves(metrics_path, png_path, *, title: str = "", loss_label: str = Y_LABELS["loss"]) -> pathlib.Path:
     """One PNG with a panel per metric: the train series (with a smoothed pair accuracy), eval points marked.
     `loss_label`: the loss axis's unit (pair losses are per pair, SFT / RFT's NLL is per action token)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = lazy.pyplot()
     records = read_metrics(metrics_path)
     keys = [k for k in PLOTTED if any(k in r for r in records)]
     cols = 3
