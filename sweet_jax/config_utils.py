@@ -223,6 +223,7 @@ STAGE_FIELDS = {"num_steps": "train.num_steps", "epochs": "train.epochs", "lr": 
 # eval_fraction: of this stage's *tasks*, held out for its own eval metrics; ckpt_every > 0: a checkpoint kept every
 # this many steps (evidence of the run's course).
 STAGE_DEFAULTS = {"lr": 1e-3, "warmup_ratio": 0.05, "eval_fraction": 0.0, "ckpt_every": 0}
+TRAINING_STAGES = ("init.sft", "critic", "sweet", "mtdpo", "rft")  # the pipeline config's stage sections
 
 # The pipeline config's fields shared by its training stages -> the train config field each one sets (a field the
 # pipeline config lacks keeps the train config's default: collect.pair_rule and min_gap are the frontend track's).
@@ -262,9 +263,30 @@ def stage_train_config(pipeline: ml_collections.ConfigDict, stage: ml_collection
     return c
 
 
-# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' values are checked
-# again as training configs (TRAIN_RANGES) when each stage starts.
-_STAGE_RANGES = {name: TRAIN_RANGES[field] for name, field in STAGE_FIELDS.items() if field in TRAIN_RANGES}
+def check_stages(pipeline: ml_collections.ConfigDict, error=None) -> None:
+    """Every training stage section of a pipeline config (TRAINING_STAGES), as the train config it makes
+    (stage_train_config), checked as trainer.run checks it (check_config): before any stage runs, the first wrong
+    value an `error` (TrainConfigError) naming the pipeline field it came from (config.sweet.advantage_norm)."""
+    shared = {}
+    for source, target in SHARED_FIELDS.items():
+        try:
+            config_get(pipeline, source)
+        except (KeyError, AttributeError):
+            continue
+        shared[target] = source
+    for stage_name in TRAINING_STAGES:
+        try:
+            stage = config_get(pipeline, stage_name)
+        except (KeyError, AttributeError):
+            continue
+        names = {**shared, **{target: f"{stage_name}.{name}" for name, target in STAGE_FIELDS.items()}}
+        try:
+            check_config(stage_train_config(pipeline, stage), names=names)
+        except TrainConfigError as e:
+            raise (error or TrainConfigError)(str(e)) from None
+
+
+# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' are check_stages'.
 PIPELINE_RANGES = {
     "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
     "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
@@ -289,13 +311,10 @@ PIPELINE_RANGES = {
     "eval.samples": (int, above(0), "episodes per held-out task"), "eval.temperature": SAMPLING_RANGES["temperature"],
     "eval.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "eval.batch_size": (int, above(0), "episodes"),
     "eval.max_turns": (int, above(0), "agent turns"),
-    "train.max_len": TRAIN_RANGES["data.max_len"], "train.bucket": TRAIN_RANGES["data.bucket"],
-    "train.micro_batch_size": TRAIN_RANGES["train.micro_batch_size"],
     "train.max_batch_size": (int, above(0), "sampler rows per call"),
     "sandbox.workers": ROLLOUT_RANGES["sandbox.workers"], "sandbox.timeout_s": ROLLOUT_RANGES["sandbox.timeout_s"],
     **{f"simulator.{k}": v for k, v in SIMULATOR_RANGES.items()},
     **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
-    **{f"{stage}.{k}": v for stage in ("init.sft", "critic", "sweet", "mtdpo", "rft") for k, v in _STAGE_RANGES.items()},
 }
 
 
@@ -305,10 +324,12 @@ def _show(lo, lo_closed, hi, hi_closed) -> str:
     return f"in {'[' if lo_closed else '('}{lo}, {hi}{']' if hi_closed else ')'}"
 
 
-def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.") -> None:
+def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.", names: dict | None = None) -> None:
     """Every field of `ranges` present in `config` has its type and lies in its range (NaN never does); the first
-    that does not is an `error` (TrainConfigError) naming the field, its value, the range and what it means."""
+    that does not is an `error` (TrainConfigError) naming the field, its value, the range and what it means.
+    names: field -> the name the user set it by, where that is another (a pipeline stage's field)."""
     error = error or TrainConfigError
+    names = names or {}
     for field, (kind, (lo, lo_closed, hi, hi_closed), meaning) in ranges.items():
         try:
             value = config_get(config, field)
@@ -319,15 +340,19 @@ def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.") -
         ok = ok_type and (value >= lo if lo_closed else value > lo) and (value <= hi if hi_closed else value < hi)
         if not ok:  # NaN fails every comparison above
             expected = f"{'an integer' if kind is int else 'a number'} {_show(lo, lo_closed, hi, hi_closed)}"
-            raise error(f"{prefix}{field}={value!r}: must be {expected} ({meaning}); set --{prefix}{field}")
+            shown = names.get(field, field)
+            raise error(f"{prefix}{shown}={value!r}: must be {expected} ({meaning}); set --{prefix}{shown}")
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Values that are valid types but cannot work: fail before anything slow happens."""
+def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None) -> None:
+    """Values that are valid types but cannot work: fail before anything slow happens. names: field -> the name the
+    user set it by, where that is another (a pipeline stage's field, check_stages)."""
+    names = names or {}
+
     def need(cond, field, msg):
         if not cond:
-            raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
-    check_ranges(config, TRAIN_RANGES)
+            raise TrainConfigError(f"config.{names.get(field, field)}={config_get(config, field)!r}: {msg}")
+    check_ranges(config, TRAIN_RANGES, names=names)
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
     need(config.loss.advantage_norm in ADVANTAGE_NORMS, "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
@@ -347,8 +372,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             need(False, "metrics.writers", str(e))
     mb = config.train.micro_batch_size
     need(mb == 0 or config.train.batch_size % mb == 0, "train.micro_batch_size",
-         f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
-    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
+         f"must be 0 (automatic) or divide {names.get('train.batch_size', 'train.batch_size')}="
+         f"{config.train.batch_size}")
+    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs",
+         f"set epochs > 0 or {names.get('train.num_steps', 'train.num_steps')} > 0")
     need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
          "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
     shape = tuple(config.mesh.shape)

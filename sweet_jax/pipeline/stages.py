@@ -23,7 +23,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sweet_jax import config_utils, jsonl
-from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
+from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges, check_stages
 from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
 from sweet_jax.data.frontend import load_frontend_tasks
 from sweet_jax.data.loading import load_records
@@ -791,6 +791,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
     accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
     check_ranges(config, PIPELINE_RANGES, PipelineError)
+    check_stages(config, PipelineError)
     policy_backend.check_backend(config.policy.backend, "config.policy.backend")
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
