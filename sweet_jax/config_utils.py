@@ -102,6 +102,21 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def train_default(field: str):
+    """The default of a train config field ('loss.advantage_norm'), as base_config declares it: for a function
+    argument or a pipeline field that mirrors it, so that the default is written once."""
+    return config_get(base_config(), field)
+
+
+def setting(config, field: str, section: str = ""):
+    """`config`'s value of the train field `field` (`section`.`field` when `config` is that section), or the field's
+    default (base_config) where `config`, an older run's, predates it."""
+    try:
+        return config_get(config, field)
+    except (KeyError, AttributeError):
+        return train_default(f"{section}.{field}" if section else field)
+
+
 def metrics_config() -> ml_collections.ConfigDict:
     """Experiment tracking (sweet_jax.train.metrics.MetricsWriter); metrics.jsonl is always written. Not part of what a
     run is: a rerun may change these freely."""
@@ -360,10 +375,10 @@ def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
     need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
          "use truncate, drop or cut_right (official)")
-    need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
-    need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
+    need(setting(config, "data.mask_style") in ("turns", "official"), "data.mask_style", "use turns or official")
+    need(setting(config, "loss.nll_scope") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
-    need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
+    need(setting(config, "optim.moments_dtype") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
     if "metrics" in config:
         try:
@@ -376,7 +391,7 @@ def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None
          f"{config.train.batch_size}")
     need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs",
          f"set epochs > 0 or {names.get('train.num_steps', 'train.num_steps')} > 0")
-    need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
+    need(setting(config, "data.eval_split") in ("tasks", "first_rows"), "data.eval_split",
          "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
     shape = tuple(config.mesh.shape)
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
