@@ -40,6 +40,7 @@ def get_config(preset: str = "demo"):
     c.methods = ",".join(METHODS)     # which policies to build and evaluate (zero_shot is the starting policy)
     c.agent_prompt = False            # prepend envs.AGENT_PROMPT to the agent's dialogue (rollouts, ranking)
     c.metrics = config_utils.metrics_config()  # the training stages' tracking, grouped per pipeline run
+    t = config_utils.base_config()    # the train config: the defaults of the fields the training stages share
 
     # (1) tasks
     c.tasks = ml_collections.ConfigDict()
@@ -66,11 +67,11 @@ def get_config(preset: str = "demo"):
     c.model.num_kv_heads = 2
     c.model.head_dim = 16
     c.model.tie_word_embeddings = True
-    c.model.dtype = "float32"         # compute dtype of every training stage
-    c.model.remat = "none"
-    c.model.scan_layers = False       # training stages: stacked layers under jax.lax.scan (one layer compiled)
+    c.model.dtype = t.model.dtype     # compute dtype of every training stage
+    c.model.remat = t.model.remat
+    c.model.scan_layers = t.model.scan_layers  # training stages: stacked layers under jax.lax.scan (one layer compiled)
     c.model.attention_impl = "xla"
-    c.model.cpu_matmul = "auto"       # every stage's projections on the CPU: auto | xla | xla_bf16 | onednn
+    c.model.cpu_matmul = t.model.cpu_matmul  # every stage's projections on the CPU: auto | xla | xla_bf16 | onednn
 
     c.init = ml_collections.ConfigDict()
     c.init.kind = "sft"               # sft (random init + SFT on scripted demonstrations) | path (an HF directory)
@@ -121,8 +122,8 @@ def get_config(preset: str = "demo"):
     c.rank.temperature = 1.0
     c.rank.max_new_tokens = 96
     c.rank.rank_reference = "ref_with_info"  # ref_with_info (paper) | sampler (official code)
-    c.rank.info_template = config_utils.base_config().data.info_template
-    c.rank.info_placement = "system"
+    c.rank.info_template = t.data.info_template
+    c.rank.info_placement = t.data.info_placement
     c.rank.score_batch_size = 32
     c.rank.prompts_per_batch = 16
     c.rank.max_batch_size = 128       # sampler rows per compiled call
@@ -167,10 +168,10 @@ def get_config(preset: str = "demo"):
     # shared by the training stages
     c.train = ml_collections.ConfigDict()
     c.train.max_len = 768
-    c.train.bucket = 128
-    c.train.mesh_shape = (1, -1, 1)
-    c.train.micro_batch_size = 0
-    c.train.ref_logp = "precompute"
+    c.train.bucket = t.data.bucket
+    c.train.mesh_shape = t.mesh.shape
+    c.train.micro_batch_size = t.train.micro_batch_size
+    c.train.ref_logp = t.train.ref_logp
     c.train.max_batch_size = 128      # sampler rows per compiled call (rollouts)
     c.train.sampler_mesh_shape = ()   # () = samplers on one device; (1, -1, 1) = FSDP over every chip
 
