@@ -70,7 +70,7 @@ def pipeline_config(preset: str):
     c.track = "frontend"
     c.frontend = _frontend_block()
     c.tasks.source = "frontend_files"  # frontend tasks JSONL (train_path / heldout_path); '' = the demo pages
-    c.rank.info_template = "In light that the final answer is: {ground_truth}."  # c = the ground-truth HTML
+    # rank.info_template stays the pipeline's: c is the ground-truth HTML
     # RFT keeps reward-1.0 trajectories, which CLIP cosines almost never reach: not part of the frontend runs.
     c.methods = "zero_shot,mtdpo,sweet_no_info,sweet"
     c.collect.pair_rule = "all_gaps"   # the official frontend pairs: every two episodes >= min_gap apart

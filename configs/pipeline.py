@@ -30,23 +30,6 @@ METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper'
 # sweet_iterative (beyond the paper) on request
 
 
-def _train_stage(*, num_steps=0, epochs=1, lr=1e-3, batch_size=8, beta=0.1, nll_coef=0.0, eval_fraction=0.0,
-                 warmup_ratio=0.05, advantage_norm="turn_mean", label_smoothing=0.0, ckpt_every=0):
-    s = ml_collections.ConfigDict()
-    s.num_steps = num_steps        # > 0 overrides epochs
-    s.epochs = epochs
-    s.lr = lr
-    s.warmup_ratio = warmup_ratio
-    s.batch_size = batch_size
-    s.beta = beta
-    s.nll_coef = nll_coef
-    s.label_smoothing = label_smoothing
-    s.advantage_norm = advantage_norm  # turn_mean (paper) | trajectory_mean (official code) | sum
-    s.eval_fraction = eval_fraction    # fraction of this stage's *tasks* held out for its own eval metrics
-    s.ckpt_every = ckpt_every          # > 0: keep a checkpoint every this many steps (evidence of the run's course)
-    return s
-
-
 def get_config(preset: str = "demo"):
     if preset not in PRESETS:
         raise ValueError(f"unknown pipeline preset {preset!r}: use one of {', '.join(PRESETS)} "
@@ -57,6 +40,7 @@ def get_config(preset: str = "demo"):
     c.methods = ",".join(METHODS)     # which policies to build and evaluate (zero_shot is the starting policy)
     c.agent_prompt = False            # prepend envs.AGENT_PROMPT to the agent's dialogue (rollouts, ranking)
     c.metrics = config_utils.metrics_config()  # the training stages' tracking, grouped per pipeline run
+    t = config_utils.base_config()    # the train config: the defaults of the fields the training stages share
 
     # (1) tasks
     c.tasks = ml_collections.ConfigDict()
@@ -83,11 +67,11 @@ def get_config(preset: str = "demo"):
     c.model.num_kv_heads = 2
     c.model.head_dim = 16
     c.model.tie_word_embeddings = True
-    c.model.dtype = "float32"         # compute dtype of every training stage
-    c.model.remat = "none"
-    c.model.scan_layers = False       # training stages: stacked layers under jax.lax.scan (one layer compiled)
+    c.model.dtype = t.model.dtype     # compute dtype of every training stage
+    c.model.remat = t.model.remat
+    c.model.scan_layers = t.model.scan_layers  # training stages: stacked layers under jax.lax.scan (one layer compiled)
     c.model.attention_impl = "xla"
-    c.model.cpu_matmul = "auto"       # every stage's projections on the CPU: auto | xla | xla_bf16 | onednn
+    c.model.cpu_matmul = t.model.cpu_matmul  # every stage's projections on the CPU: auto | xla | xla_bf16 | onednn
 
     c.init = ml_collections.ConfigDict()
     c.init.kind = "sft"               # sft (random init + SFT on scripted demonstrations) | path (an HF directory)
@@ -100,7 +84,7 @@ def get_config(preset: str = "demo"):
     c.init.demos_per_task = 1
     # scripted agents of envs/synthetic.py mixed in the demonstrations (weight each): a weak, varied policy
     c.init.policy_weights = "thorough:1,pairs:1,partial:2,naive:1,vague:1"
-    c.init.sft = _train_stage(num_steps=400, lr=3e-3, batch_size=16, eval_fraction=0.05)
+    c.init.sft = config_utils.stage_config(num_steps=400, lr=3e-3, batch_size=16, eval_fraction=0.05)
 
     # (3) offline trajectories
     c.collect = ml_collections.ConfigDict()
@@ -119,7 +103,7 @@ def get_config(preset: str = "demo"):
     # (4) critics (initialised from the starting policy, which is also pi_ref)
     # lr 1e-3 drove the critic's margins to 50-75 nats in 30 steps (the rejected trajectories' probabilities
     # crushed, held-out accuracy 1.0 from style, 64% oracle agreement on candidates): a tenth of the SFT lr.
-    c.critic = _train_stage(num_steps=60, lr=3e-4, batch_size=8, eval_fraction=0.15)
+    c.critic = config_utils.stage_config(num_steps=60, lr=3e-4, batch_size=8, eval_fraction=0.15)
 
     # (5) candidates per turn and ranking
     c.rank = ml_collections.ConfigDict()
@@ -138,8 +122,8 @@ def get_config(preset: str = "demo"):
     c.rank.temperature = 1.0
     c.rank.max_new_tokens = 96
     c.rank.rank_reference = "ref_with_info"  # ref_with_info (paper) | sampler (official code)
-    c.rank.info_template = "In light that the final answer is: {ground_truth}."
-    c.rank.info_placement = "system"
+    c.rank.info_template = t.data.info_template
+    c.rank.info_placement = t.data.info_placement
     c.rank.score_batch_size = 32
     c.rank.prompts_per_batch = 16
     c.rank.max_batch_size = 128       # sampler rows per compiled call
@@ -147,9 +131,9 @@ def get_config(preset: str = "demo"):
     # (6) policies
     # Policy lr: a 30th of the SFT lr that made the starting policy (the paper's 2e-7 is for an 8B model
     # pretrained at ~3e-4; at 5e-4 DPO broke this tiny model's language in 40 steps). beta, nll_coef: the paper's.
-    c.sweet = _train_stage(num_steps=40, lr=1e-4, batch_size=8, beta=0.1, nll_coef=0.01)
-    c.mtdpo = _train_stage(num_steps=40, lr=1e-4, batch_size=8, beta=0.1)
-    c.rft = _train_stage(num_steps=40, lr=1e-4, batch_size=8)
+    c.sweet = config_utils.stage_config(num_steps=40, lr=1e-4, batch_size=8, beta=0.1, nll_coef=0.01)
+    c.mtdpo = config_utils.stage_config(num_steps=40, lr=1e-4, batch_size=8, beta=0.1)
+    c.rft = config_utils.stage_config(num_steps=40, lr=1e-4, batch_size=8)
 
     # Settings chosen on the validation tasks, the same way for every trained method (docs/results.md, "How settings are chosen"): one
     # training run per learning rate of select.lrs, max(select.steps) steps long, its checkpoints at select.steps
@@ -184,19 +168,17 @@ def get_config(preset: str = "demo"):
     # shared by the training stages
     c.train = ml_collections.ConfigDict()
     c.train.max_len = 768
-    c.train.bucket = 128
-    c.train.mesh_shape = (1, -1, 1)
-    c.train.micro_batch_size = 0
-    c.train.ref_logp = "precompute"
+    c.train.bucket = t.data.bucket
+    c.train.mesh_shape = t.mesh.shape
+    c.train.micro_batch_size = t.train.micro_batch_size
+    c.train.ref_logp = t.train.ref_logp
     c.train.max_batch_size = 128      # sampler rows per compiled call (rollouts)
     c.train.sampler_mesh_shape = ()   # () = samplers on one device; (1, -1, 1) = FSDP over every chip
 
     # Where the policy samples (offline, candidates and eval stages): in_process, or openai = an inference engine
     # (vLLM, SGLang, python -m sweet_jax.serve) started per policy from policy.openai.command after the policy is
     # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/sampling/policy_backend.py.
-    c.policy = ml_collections.ConfigDict()
-    c.policy.backend = "in_process"
-    c.policy.openai = policy_backend.openai_config()
+    c.policy = policy_backend.policy_config()
 
     c.simulator = ml_collections.ConfigDict()
     c.simulator.kind = "synthetic"    # synthetic (data/synthetic.simulator_reply) | hidden_info | openai
@@ -224,21 +206,21 @@ def get_config(preset: str = "demo"):
         c.model.num_kv_heads = 1
         c.model.head_dim = 16
         c.init.num_tasks = 24
-        c.init.sft = _train_stage(num_steps=4, lr=3e-3, batch_size=8)
+        c.init.sft = config_utils.stage_config(num_steps=4, lr=3e-3, batch_size=8)
         c.collect.best_of = 2
         c.collect.max_new_tokens = 16
         c.collect.max_turns = 3
         # A 4-step policy never succeeds: scripted episodes give the critic pairs (what the test needs is
         # every stage running on real files, not a learning signal).
         c.collect.scripted_per_task = 2
-        c.critic = _train_stage(num_steps=3, lr=1e-3, batch_size=8, eval_fraction=0.2)
+        c.critic = config_utils.stage_config(num_steps=3, lr=1e-3, batch_size=8, eval_fraction=0.2)
         c.rank.max_prompts = 8
         c.rank.num_candidates = 4
         c.rank.max_new_tokens = 12
         c.rank.prompts_per_batch = 8
-        c.sweet = _train_stage(num_steps=2, lr=1e-3, batch_size=8, nll_coef=0.01)
-        c.mtdpo = _train_stage(num_steps=2, lr=1e-3, batch_size=8)
-        c.rft = _train_stage(num_steps=2, lr=1e-3, batch_size=8)
+        c.sweet = config_utils.stage_config(num_steps=2, lr=1e-3, batch_size=8, nll_coef=0.01)
+        c.mtdpo = config_utils.stage_config(num_steps=2, lr=1e-3, batch_size=8)
+        c.rft = config_utils.stage_config(num_steps=2, lr=1e-3, batch_size=8)
         c.eval.samples = 1
         c.eval.max_new_tokens = 16
         c.eval.max_turns = 3
@@ -254,20 +236,20 @@ def get_config(preset: str = "demo"):
         # paper uses one), a fifth of the SFT's.
         c.init.pretrained = ""        # set: the HF directory (`python -m sweet_jax.models.gguf smollm2 DIR`)
         c.init.num_tasks = 512
-        c.init.sft = _train_stage(num_steps=64, lr=5e-5, batch_size=8, eval_fraction=0.05)
+        c.init.sft = config_utils.stage_config(num_steps=64, lr=5e-5, batch_size=8, eval_fraction=0.05)
         c.tasks.num_train = 64
         c.tasks.num_heldout = 48
         c.collect.best_of = 4
         c.collect.scripted_per_task = 0   # critic pairs from the policy's own successes
-        c.critic = _train_stage(num_steps=32, lr=1e-5, batch_size=8, eval_fraction=0.15)
+        c.critic = config_utils.stage_config(num_steps=32, lr=1e-5, batch_size=8, eval_fraction=0.15)
         c.rank.max_prompts = 64
         c.rank.num_candidates = 8
         c.rank.num_pairs = 2
         c.rank.score_batch_size = 16
         c.rank.prompts_per_batch = 8
-        c.sweet = _train_stage(num_steps=24, lr=1e-5, batch_size=8, beta=0.1, nll_coef=0.01)
-        c.mtdpo = _train_stage(num_steps=24, lr=1e-5, batch_size=8, beta=0.1)
-        c.rft = _train_stage(num_steps=24, lr=1e-5, batch_size=8)
+        c.sweet = config_utils.stage_config(num_steps=24, lr=1e-5, batch_size=8, beta=0.1, nll_coef=0.01)
+        c.mtdpo = config_utils.stage_config(num_steps=24, lr=1e-5, batch_size=8, beta=0.1)
+        c.rft = config_utils.stage_config(num_steps=24, lr=1e-5, batch_size=8)
         c.eval.samples = 2
         c.eval.batch_size = 96
         c.train.max_len = 512
@@ -303,19 +285,19 @@ def get_config(preset: str = "demo"):
             c.tasks.num_train = 4
             c.tasks.num_heldout = 2
             c.init.num_tasks = 8
-            c.init.sft = _train_stage(num_steps=1, lr=5e-5, batch_size=2)
+            c.init.sft = config_utils.stage_config(num_steps=1, lr=5e-5, batch_size=2)
             c.collect.best_of = 2
             c.collect.scripted_per_task = 2   # a few SFT steps may not succeed on its own: pairs for the critic
             c.collect.max_new_tokens = 12
             c.collect.max_turns = 2
-            c.critic = _train_stage(num_steps=1, lr=1e-5, batch_size=2, eval_fraction=0.25)
+            c.critic = config_utils.stage_config(num_steps=1, lr=1e-5, batch_size=2, eval_fraction=0.25)
             c.rank.max_prompts = 2
             c.rank.num_candidates = 2
             c.rank.num_pairs = 1
             c.rank.max_new_tokens = 8
-            c.sweet = _train_stage(num_steps=1, lr=1e-5, batch_size=2, nll_coef=0.01)
-            c.mtdpo = _train_stage(num_steps=1, lr=1e-5, batch_size=2)
-            c.rft = _train_stage(num_steps=1, lr=1e-5, batch_size=2)
+            c.sweet = config_utils.stage_config(num_steps=1, lr=1e-5, batch_size=2, nll_coef=0.01)
+            c.mtdpo = config_utils.stage_config(num_steps=1, lr=1e-5, batch_size=2)
+            c.rft = config_utils.stage_config(num_steps=1, lr=1e-5, batch_size=2)
             c.eval.samples = 1
             c.eval.max_new_tokens = 8
             c.eval.max_turns = 2
@@ -336,16 +318,17 @@ def get_config(preset: str = "demo"):
         c.init.path = ""              # set: the HF directory of Llama-3.1-8B-Instruct
         c.collect.best_of = 3         # the official offline file: 3 samples of each task
         c.collect.max_new_tokens = 1024
-        c.critic = _train_stage(epochs=4, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03, eval_fraction=0.02)
+        c.critic = config_utils.stage_config(epochs=4, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03,
+                                             eval_fraction=0.02)
         c.rank.max_prompts = 0
         c.rank.num_candidates = 16
         c.rank.num_pairs = 4
         c.rank.max_new_tokens = 1024
         c.rank.score_batch_size = 16
         c.rank.prompts_per_batch = 8
-        c.sweet = _train_stage(epochs=1, lr=2e-7, batch_size=8, beta=0.1, nll_coef=0.01, warmup_ratio=0.03)
-        c.mtdpo = _train_stage(epochs=1, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03)
-        c.rft = _train_stage(epochs=1, lr=2e-7, batch_size=8, warmup_ratio=0.03)
+        c.sweet = config_utils.stage_config(epochs=1, lr=2e-7, batch_size=8, beta=0.1, nll_coef=0.01, warmup_ratio=0.03)
+        c.mtdpo = config_utils.stage_config(epochs=1, lr=2e-7, batch_size=8, beta=0.1, warmup_ratio=0.03)
+        c.rft = config_utils.stage_config(epochs=1, lr=2e-7, batch_size=8, warmup_ratio=0.03)
         c.eval.samples = 1
         c.eval.temperature = 0.0
         c.eval.max_new_tokens = 1024

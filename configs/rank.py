@@ -18,10 +18,11 @@ Presets:
 """
 import ml_collections
 
+from sweet_jax import config_utils
 from sweet_jax.sampling import policy_backend
 
 # The critic must read c exactly as it was trained: keep these equal to the critic run's data settings.
-OFFICIAL_INFO_TEMPLATE = "In light that the final answer is: {ground_truth}."
+OFFICIAL_INFO_TEMPLATE = config_utils.base_config().data.info_template
 
 
 def get_config(preset: str = "demo"):
@@ -30,12 +31,10 @@ def get_config(preset: str = "demo"):
     c.num_trajectories = 0        # first N; 0 = all
     c.skip_bad = False            # drop malformed trajectory lines (reported) instead of failing
 
-    c.policy = ml_collections.ConfigDict()
+    c.policy = policy_backend.policy_config()  # backend (in_process | openai: an engine) and openai
     c.policy.path = ""            # HF directory of the policy that samples candidates; '' = demo tiny random
     c.policy.tokenizer = ""       # '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"
-    c.policy.backend = "in_process"  # in_process | openai: the candidates from an engine (sweet_jax/sampling/policy_backend.py)
-    c.policy.openai = policy_backend.openai_config()
 
     c.critic = ml_collections.ConfigDict()
     c.critic.path = ""            # HF directory of the trained critic (or a training workdir); '' = demo random

@@ -25,12 +25,10 @@ from sweet_jax.sampling import policy_backend
 
 def get_config(preset: str = "demo"):
     c = ml_collections.ConfigDict()
-    c.policy = ml_collections.ConfigDict()
+    c.policy = policy_backend.policy_config()  # backend (in_process | openai: an engine) and openai
     c.policy.path = ""            # HF checkpoint directory of the policy; '' = the demo tiny random model
     c.policy.tokenizer = ""       # tokenizer directory; '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"    # parameter dtype when loading (bfloat16 for 8B on TPU)
-    c.policy.backend = "in_process"  # in_process | openai: the policy on an engine (sweet_jax/sampling/policy_backend.py)
-    c.policy.openai = policy_backend.openai_config()
 
     c.tasks = ""                  # ColBench tasks JSONL; '' = the bundled demo tasks
     c.num_tasks = 0               # first N tasks; 0 = all

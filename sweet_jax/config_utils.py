@@ -10,11 +10,13 @@ import pathlib
 import ml_collections
 
 from sweet_jax import sharding
+from sweet_jax.data.render import OFFICIAL_INFO_TEMPLATE
 from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
 from sweet_jax.models.llama import PRESETS
 from sweet_jax.models.lora import LoRAConfig
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
+ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")  # loss.advantage_norm (train.losses.turn_advantages)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -50,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.bucket = 128               # sequence lengths are rounded up to a multiple of this
     c.data.length_policy = "truncate"  # truncate | drop | cut_right (official): sequences longer than max_len
     c.data.mask_style = "turns"       # turns (reply + end-of-turn) | official (the fork's mask, data/render.py)
-    c.data.info_template = "In light that the final answer is: {ground_truth}."  # the official code's wording
+    c.data.info_template = OFFICIAL_INFO_TEMPLATE  # how c is said: the official code's wording
     c.data.info_placement = "system"  # system | first_user | raw_prefix: where c goes (see data/render.py)
     c.data.eval_fraction = 0.1        # fraction of *tasks* held out for evaluation
     c.data.eval_split = "tasks"       # tasks (held out) | first_rows (official: the first rows, trained on too)
@@ -98,6 +100,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.shape = (1, -1, 1)         # (data, fsdp, tensor); -1 = the rest of the devices
     c.metrics = metrics_config()
     return c
+
+
+def train_default(field: str):
+    """The default of a train config field ('loss.advantage_norm'), as base_config declares it: for a function
+    argument or a pipeline field that mirrors it, so that the default is written once."""
+    return config_get(base_config(), field)
+
+
+def setting(config, field: str, section: str = ""):
+    """`config`'s value of the train field `field` (`section`.`field` when `config` is that section), or the field's
+    default (base_config) where `config`, an older run's, predates it."""
+    try:
+        return config_get(config, field)
+    except (KeyError, AttributeError):
+        return train_default(f"{section}.{field}" if section else field)
 
 
 def metrics_config() -> ml_collections.ConfigDict:
@@ -206,13 +223,85 @@ RANK_RANGES = {
 }
 
 
-# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' values are checked
-# again as training configs (TRAIN_RANGES) when each stage starts.
-_STAGE_RANGES = {"num_steps": (int, at_least(0), "0 = from epochs"), "epochs": (int, at_least(0), "passes"),
-                 "lr": TRAIN_RANGES["optim.lr"], "warmup_ratio": TRAIN_RANGES["optim.warmup_ratio"],
-                 "batch_size": TRAIN_RANGES["train.batch_size"], "beta": TRAIN_RANGES["loss.beta"],
-                 "nll_coef": TRAIN_RANGES["loss.nll_coef"], "label_smoothing": TRAIN_RANGES["loss.label_smoothing"],
-                 "eval_fraction": TRAIN_RANGES["data.eval_fraction"], "ckpt_every": TRAIN_RANGES["train.ckpt_every"]}
+# ==========================================================================================================
+# The pipeline's training stages: train configs composed from the pipeline config's sections
+# ==========================================================================================================
+
+# A training stage's section of the pipeline config (configs/pipeline.py: init.sft, critic, sweet, mtdpo, rft):
+# each field -> the train config field it sets, whose range (TRAIN_RANGES) and check (check_config) it has. Its
+# default is that field's (base_config), except STAGE_DEFAULTS: the pipeline's short stages.
+STAGE_FIELDS = {"num_steps": "train.num_steps", "epochs": "train.epochs", "lr": "optim.lr",
+                "warmup_ratio": "optim.warmup_ratio", "batch_size": "train.batch_size", "beta": "loss.beta",
+                "nll_coef": "loss.nll_coef", "label_smoothing": "loss.label_smoothing",
+                "advantage_norm": "loss.advantage_norm", "eval_fraction": "data.eval_fraction",
+                "ckpt_every": "train.ckpt_every"}
+# eval_fraction: of this stage's *tasks*, held out for its own eval metrics; ckpt_every > 0: a checkpoint kept every
+# this many steps (evidence of the run's course).
+STAGE_DEFAULTS = {"lr": 1e-3, "warmup_ratio": 0.05, "eval_fraction": 0.0, "ckpt_every": 0}
+TRAINING_STAGES = ("init.sft", "critic", "sweet", "mtdpo", "rft")  # the pipeline config's stage sections
+
+# The pipeline config's fields shared by its training stages -> the train config field each one sets (a field the
+# pipeline config lacks keeps the train config's default: collect.pair_rule and min_gap are the frontend track's).
+SHARED_FIELDS = {"model.dtype": "model.dtype", "model.remat": "model.remat", "model.scan_layers": "model.scan_layers",
+                 "model.attention_impl": "model.attention_impl", "model.cpu_matmul": "model.cpu_matmul",
+                 "train.max_len": "data.max_len", "train.bucket": "data.bucket",
+                 "rank.info_template": "data.info_template", "rank.info_placement": "data.info_placement",
+                 "collect.pair_rule": "data.pair_rule", "collect.min_gap": "data.min_gap",
+                 "train.micro_batch_size": "train.micro_batch_size", "train.ref_logp": "train.ref_logp",
+                 "train.mesh_shape": "mesh.shape"}
+
+
+def stage_config(**values) -> ml_collections.ConfigDict:
+    """A training stage's section of the pipeline config (STAGE_FIELDS), `values` over its defaults."""
+    unknown = set(values) - set(STAGE_FIELDS)
+    if unknown:
+        raise TrainConfigError(f"not a training stage field: {', '.join(sorted(unknown))} (the fields: "
+                               f"{', '.join(STAGE_FIELDS)})")
+    base = base_config()
+    return ml_collections.ConfigDict({name: values.get(name, STAGE_DEFAULTS.get(name, config_get(base, field)))
+                                      for name, field in STAGE_FIELDS.items()})
+
+
+def stage_train_config(pipeline: ml_collections.ConfigDict, stage: ml_collections.ConfigDict
+                       ) -> ml_collections.ConfigDict:
+    """The train config (base_config) of one training stage of a pipeline config: its shared fields
+    (SHARED_FIELDS) and the stage section's (STAGE_FIELDS) set over the train config's defaults."""
+    c = base_config()
+    for source, target in SHARED_FIELDS.items():
+        try:
+            value = config_get(pipeline, source)
+        except (KeyError, AttributeError):
+            continue
+        config_set(c, target, tuple(value) if target == "mesh.shape" else value)
+    for name, target in STAGE_FIELDS.items():
+        config_set(c, target, stage[name])
+    return c
+
+
+def check_stages(pipeline: ml_collections.ConfigDict, error=None) -> None:
+    """Every training stage section of a pipeline config (TRAINING_STAGES), as the train config it makes
+    (stage_train_config), checked as trainer.run checks it (check_config): before any stage runs, the first wrong
+    value an `error` (TrainConfigError) naming the pipeline field it came from (config.sweet.advantage_norm)."""
+    shared = {}
+    for source, target in SHARED_FIELDS.items():
+        try:
+            config_get(pipeline, source)
+        except (KeyError, AttributeError):
+            continue
+        shared[target] = source
+    for stage_name in TRAINING_STAGES:
+        try:
+            stage = config_get(pipeline, stage_name)
+        except (KeyError, AttributeError):
+            continue
+        names = {**shared, **{target: f"{stage_name}.{name}" for name, target in STAGE_FIELDS.items()}}
+        try:
+            check_config(stage_train_config(pipeline, stage), names=names)
+        except TrainConfigError as e:
+            raise (error or TrainConfigError)(str(e)) from None
+
+
+# The pipeline's own fields (configs/pipeline.py, configs/frontend.py); its training stages' are check_stages'.
 PIPELINE_RANGES = {
     "seed": (int, at_least(0), "a seed"), "tasks.seed": (int, at_least(0), "a seed"),
     "tasks.num_train": (int, at_least(0), "training tasks; 0 = all of a file"), "tasks.num_heldout": (int, at_least(0), "held-out tasks"),
@@ -237,13 +326,10 @@ PIPELINE_RANGES = {
     "eval.samples": (int, above(0), "episodes per held-out task"), "eval.temperature": SAMPLING_RANGES["temperature"],
     "eval.max_new_tokens": SAMPLING_RANGES["max_new_tokens"], "eval.batch_size": (int, above(0), "episodes"),
     "eval.max_turns": (int, above(0), "agent turns"),
-    "train.max_len": TRAIN_RANGES["data.max_len"], "train.bucket": TRAIN_RANGES["data.bucket"],
-    "train.micro_batch_size": TRAIN_RANGES["train.micro_batch_size"],
     "train.max_batch_size": (int, above(0), "sampler rows per call"),
     "sandbox.workers": ROLLOUT_RANGES["sandbox.workers"], "sandbox.timeout_s": ROLLOUT_RANGES["sandbox.timeout_s"],
     **{f"simulator.{k}": v for k, v in SIMULATOR_RANGES.items()},
     **{f"policy.openai.{k}": v for k, v in ENGINE_RANGES.items()},
-    **{f"{stage}.{k}": v for stage in ("init.sft", "critic", "sweet", "mtdpo", "rft") for k, v in _STAGE_RANGES.items()},
 }
 
 
@@ -253,10 +339,12 @@ def _show(lo, lo_closed, hi, hi_closed) -> str:
     return f"in {'[' if lo_closed else '('}{lo}, {hi}{']' if hi_closed else ')'}"
 
 
-def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.") -> None:
+def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.", names: dict | None = None) -> None:
     """Every field of `ranges` present in `config` has its type and lies in its range (NaN never does); the first
-    that does not is an `error` (TrainConfigError) naming the field, its value, the range and what it means."""
+    that does not is an `error` (TrainConfigError) naming the field, its value, the range and what it means.
+    names: field -> the name the user set it by, where that is another (a pipeline stage's field)."""
     error = error or TrainConfigError
+    names = names or {}
     for field, (kind, (lo, lo_closed, hi, hi_closed), meaning) in ranges.items():
         try:
             value = config_get(config, field)
@@ -267,26 +355,30 @@ def check_ranges(config, ranges: dict, error=None, *, prefix: str = "config.") -
         ok = ok_type and (value >= lo if lo_closed else value > lo) and (value <= hi if hi_closed else value < hi)
         if not ok:  # NaN fails every comparison above
             expected = f"{'an integer' if kind is int else 'a number'} {_show(lo, lo_closed, hi, hi_closed)}"
-            raise error(f"{prefix}{field}={value!r}: must be {expected} ({meaning}); set --{prefix}{field}")
+            shown = names.get(field, field)
+            raise error(f"{prefix}{shown}={value!r}: must be {expected} ({meaning}); set --{prefix}{shown}")
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Values that are valid types but cannot work: fail before anything slow happens."""
+def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None) -> None:
+    """Values that are valid types but cannot work: fail before anything slow happens. names: field -> the name the
+    user set it by, where that is another (a pipeline stage's field, check_stages)."""
+    names = names or {}
+
     def need(cond, field, msg):
         if not cond:
-            raise TrainConfigError(f"config.{field}={config_get(config, field)!r}: {msg}")
-    check_ranges(config, TRAIN_RANGES)
+            raise TrainConfigError(f"config.{names.get(field, field)}={config_get(config, field)!r}: {msg}")
+    check_ranges(config, TRAIN_RANGES, names=names)
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
-    need(config.loss.advantage_norm in ("turn_mean", "trajectory_mean", "sum"), "loss.advantage_norm",
+    need(config.loss.advantage_norm in ADVANTAGE_NORMS, "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
     need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
     need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
          "use truncate, drop or cut_right (official)")
-    need(config.data.get("mask_style", "turns") in ("turns", "official"), "data.mask_style", "use turns or official")
-    need(config.loss.get("nll_scope", "reply") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
+    need(setting(config, "data.mask_style") in ("turns", "official"), "data.mask_style", "use turns or official")
+    need(setting(config, "loss.nll_scope") in ("reply", "sequence"), "loss.nll_scope", "use reply or sequence")
     need(config.data.padding_side in ("left", "right"), "data.padding_side", "use left or right")
-    need(config.optim.get("moments_dtype", "float32") in ("float32", "bfloat16"), "optim.moments_dtype",
+    need(setting(config, "optim.moments_dtype") in ("float32", "bfloat16"), "optim.moments_dtype",
          "use float32 or bfloat16")
     if "metrics" in config:
         try:
@@ -295,9 +387,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             need(False, "metrics.writers", str(e))
     mb = config.train.micro_batch_size
     need(mb == 0 or config.train.batch_size % mb == 0, "train.micro_batch_size",
-         f"must be 0 (automatic) or divide train.batch_size={config.train.batch_size}")
-    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs", "set epochs > 0 or train.num_steps > 0")
-    need(config.data.get("eval_split", "tasks") in ("tasks", "first_rows"), "data.eval_split",
+         f"must be 0 (automatic) or divide {names.get('train.batch_size', 'train.batch_size')}="
+         f"{config.train.batch_size}")
+    need(config.train.num_steps > 0 or config.train.epochs > 0, "train.epochs",
+         f"set epochs > 0 or {names.get('train.num_steps', 'train.num_steps')} > 0")
+    need(setting(config, "data.eval_split") in ("tasks", "first_rows"), "data.eval_split",
          "use tasks (held-out tasks) or first_rows (official: the first rows, also trained on)")
     shape = tuple(config.mesh.shape)
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
@@ -318,6 +412,11 @@ def config_get(config, dotted: str):
     for part in dotted.split("."):
         node = node[part]
     return node
+
+
+def config_set(config, dotted: str, value) -> None:
+    section, _, name = dotted.rpartition(".")
+    (config_get(config, section) if section else config)[name] = value
 
 
 def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:

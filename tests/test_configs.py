@@ -105,7 +105,10 @@ def test_every_training_preset_lies_within_the_numeric_ranges(spec):
                          + [(f"frontend.py:{p}", "PIPELINE_RANGES") for p in
                             ("frontend_demo", "frontend_test", "frontend_8b")])
 def test_every_rollout_rank_and_pipeline_preset_lies_within_the_numeric_ranges(spec, ranges):
-    config_utils.check_ranges(parse(f"--config={REPO}/configs/{spec}"), getattr(config_utils, ranges))
+    c = parse(f"--config={REPO}/configs/{spec}")
+    config_utils.check_ranges(c, getattr(config_utils, ranges))
+    if ranges == "PIPELINE_RANGES":   # and its training stages are valid train configs
+        config_utils.check_stages(c)
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -160,5 +163,23 @@ def test_a_pipeline_field_out_of_range_is_refused_before_any_stage(tmp_path):
     c.unlock()
     c.critic.beta = -1.0
     with pytest.raises(pipeline.PipelineError, match=r"config.critic.beta=-1.0: must be a number > 0"):
+        pipeline.run_pipeline(c, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.sweet.advantage_norm=bogus", r"config.sweet.advantage_norm='bogus': use turn_mean"),
+    ("--config.critic.lr=-1", r"config.critic.lr=-1.0: must be a number >= 0 .*; set --config.critic.lr$"),
+    ("--config.rft.warmup_ratio=1.5", r"config.rft.warmup_ratio=1.5: must be a number in \[0, 1\]"),
+    ("--config.mtdpo.num_steps=0 --config.mtdpo.epochs=0", r"config.mtdpo.epochs=0: set epochs > 0 or mtdpo.num_steps > 0"),
+    ("--config.train.micro_batch_size=3", r"config.train.micro_batch_size=3: .* divide init.sft.batch_size=8"),
+    ("--config.train.ref_logp=bogus", r"config.train.ref_logp='bogus': use precompute or in_step"),
+])
+def test_a_wrong_training_stage_field_is_refused_before_any_stage_naming_it(tmp_path, override, message):
+    """A training stage's section is checked as the train config it makes (config_utils.check_stages) when the
+    pipeline starts, not when that stage starts training hours later; the error names the pipeline's field."""
+    from sweet_jax.pipeline import stages as pipeline
+    c = parse(f"--config={REPO}/configs/pipeline.py:test", *override.split())
+    with pytest.raises(pipeline.PipelineError, match=message):
         pipeline.run_pipeline(c, tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -23,7 +23,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sweet_jax import config_utils, jsonl
-from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges
+from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges, check_stages
 from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
 from sweet_jax.data.frontend import load_frontend_tasks
 from sweet_jax.data.loading import load_records
@@ -31,13 +31,13 @@ from sweet_jax.data.pairs import trajectory_pairs
 from sweet_jax.data.schema import CandidatesRecord, PolicyPair
 from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
 from sweet_jax.envs import synthetic
-from sweet_jax.envs.frontend import FrontendEnv, FrontendTrack, frontend_evaluation, scripted_design_trajectories
+from sweet_jax.envs.frontend import FrontendTrack, frontend_evaluation, scripted_design_trajectories
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
-from sweet_jax.models import Llama, LlamaConfig, load_hf, save_hf
-from sweet_jax.rl import diagnostics as diagnostics_lib, ranking, results as results_lib
-from sweet_jax.rl.episodes import SamplerPolicy, agent_prompt_for, make_simulator, rollout, summarize
-from sweet_jax.sampling import generate, policy_backend
+from sweet_jax.models import Llama, LlamaConfig, save_hf
+from sweet_jax.rl import diagnostics as diagnostics_lib, episodes, ranking, results as results_lib
+from sweet_jax.rl.episodes import agent_prompt_for, summarize
+from sweet_jax.sampling import policy_backend
 from sweet_jax.sandbox import Evaluator
 from sweet_jax.train import export as run_export, model_loading, rundir, trainer
 from sweet_jax.train.rundir import CHECKPOINT_DIR
@@ -67,6 +67,14 @@ class Run:
     skipped: list = dataclasses.field(default_factory=list)
     ran: list = dataclasses.field(default_factory=list)
 
+    @property
+    def tokenizer_dir(self) -> str:
+        """The tokenizer every model of a run reads, the starting policy's: model.tokenizer, else the starting
+        checkpoint's."""
+        c = self.config
+        return model_loading.tokenizer_dir(c.model.tokenizer, c.init.path if c.init.kind == "path" else "",
+                                           c.init.pretrained)
+
     def path(self, *parts) -> pathlib.Path:
         return self.workdir.joinpath(*parts)
 
@@ -95,6 +103,35 @@ class Run:
     def scorer(self):
         """What scores answers: the sandbox (backend) or browser + CLIP (frontend)."""
         return self.frontend_track.scorer if self.frontend else self.evaluator
+
+    @contextlib.contextmanager
+    def policy_sampler(self, hf_dir: str, d: pathlib.Path, *, seed: int):
+        """The policy in hf_dir as a sampler for one stage: policy_backend.policy_sampler with the run's settings
+        (config.policy; an engine's output in d/engine.log; running engines serve the starting policy). Every
+        policy of a run has the starting policy's architecture, so in process the run keeps one Sampler and swaps
+        its parameters (generate.load_sampler's reuse): its compiled programs serve every rollout."""
+        c = self.config
+        mesh = model_loading.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
+        with policy_backend.policy_sampler(
+                c.policy, hf_dir, self.tokenizer_dir, seed=seed, dtype=c.model.dtype if c.model.dtype != "float32"
+                else "", mesh=mesh, max_batch_size=c.train.max_batch_size, reuse=self.sampler,
+                cpu_matmul=c.model.cpu_matmul, served=self.starting_policy, field="config.policy",
+                engine_log=d / "engine.log") as sampler:
+            if c.policy.backend == "in_process":
+                self.sampler = sampler
+            yield sampler
+
+    def play(self, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, settings, *, best_of: int,
+             seed: int) -> dict:
+        """episodes.play of the policy in hf_dir on `tasks` into out, with the run's human and scorer; settings:
+        config.collect or config.eval (temperature, max_new_tokens, batch_size, max_turns)."""
+        with self.policy_sampler(hf_dir, out.parent, seed=seed) as sampler:
+            return episodes.play(tasks, sampler, out, best_of=best_of, batch_size=settings.batch_size,
+                                 max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+                                 temperature=settings.temperature, system_prompt=agent_prompt_for(self.config),
+                                 seed=seed, simulator=self.config.simulator, field="config.simulator",
+                                 evaluator=None if self.frontend else self.evaluator,
+                                 frontend=self.frontend_track if self.frontend else None)
 
     def close(self):
         if self._frontend is not None:
@@ -137,10 +174,6 @@ def _cpu_seconds() -> float:
 def _short(summary: dict) -> str:
     text = json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
     return text if len(text) < 300 else text[:300] + "..."
-
-
-def _read_jsonl(path) -> list[dict]:
-    return jsonl.read(path)
 
 
 def methods_of(config) -> list[str]:
@@ -215,58 +248,29 @@ def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dic
 
 
 def load_task_split(run: Run, split: str) -> list[dict]:
-    return _read_jsonl(run.path("tasks", f"{split}.jsonl"))
+    return jsonl.read(run.path("tasks", f"{split}.jsonl"))
 
 
 # ==========================================================================================================
 # Training stages: sweet_jax.train.trainer.run with a config built from config_utils + the pipeline's values
 # ==========================================================================================================
 
-def tokenizer_dir(config) -> str:
-    """Every model of a run reads the starting policy's tokenizer: model.tokenizer, else the starting checkpoint."""
-    return model_loading.tokenizer_dir(config.model.tokenizer, config.init.path if config.init.kind == "path" else "",
-                                       config.init.pretrained)
-
-
-def train_config(config, *, kind: str, stage, model_path: str, trajectories: str = "", pairs: str = "",
-                 use_info: bool = False, seed_offset: int = 0) -> ml_collections.ConfigDict:
-    """A sweet_jax.train config (the fields of configs/critic.py and configs/policy.py) for one stage."""
-    c = config_utils.base_config()
+def train_config(config, *, kind: str, stage, model_path: str, tokenizer: str = "", trajectories: str = "",
+                 pairs: str = "", use_info: bool = False, seed_offset: int = 0) -> ml_collections.ConfigDict:
+    """A sweet_jax.train config (the fields of configs/critic.py and configs/policy.py) for one stage: the pipeline
+    config's shared fields and the stage section's (config_utils.stage_train_config), and this stage's own.
+    tokenizer: the run's (Run.tokenizer_dir; '' = the trainer's rule, model_path's or the demo tokenizer)."""
+    c = config_utils.stage_train_config(config, stage)
     c.model.path = model_path
-    c.model.dtype = config.model.dtype
-    c.model.remat = config.model.remat
-    c.model.scan_layers = config.model.scan_layers
-    c.model.attention_impl = config.model.attention_impl
-    c.model.cpu_matmul = config.model.cpu_matmul
-    c.data.tokenizer = tokenizer_dir(config)
+    c.data.tokenizer = tokenizer
     c.data.trajectories = trajectories
     c.data.pairs = pairs
-    c.data.max_len = config.train.max_len
-    c.data.bucket = config.train.bucket
-    c.data.eval_fraction = stage.eval_fraction
-    c.data.info_template = config.rank.info_template
-    c.data.info_placement = config.rank.info_placement
-    c.data.pair_rule = config.collect.get("pair_rule", "best_success")
-    c.data.min_gap = config.collect.get("min_gap", 0.0)
-    c.train.batch_size = stage.batch_size
-    c.train.micro_batch_size = config.train.micro_batch_size
-    c.train.num_steps = stage.num_steps
-    c.train.epochs = stage.epochs
     c.train.seed = config.seed + seed_offset
     c.train.log_every = 1             # every step's metrics: the results keep them as evidence
     c.train.eval_every = 0
-    c.train.ckpt_every = stage.get("ckpt_every", 0)
     c.train.keep_ckpts = 1 if not c.train.ckpt_every else 1000
-    c.train.ref_logp = config.train.ref_logp
-    c.optim.lr = stage.lr
-    c.optim.warmup_ratio = stage.warmup_ratio
     c.loss.kind = kind
-    c.loss.beta = stage.beta
-    c.loss.nll_coef = stage.nll_coef
-    c.loss.label_smoothing = stage.label_smoothing
-    c.loss.advantage_norm = stage.advantage_norm
     c.loss.use_info = use_info
-    c.mesh.shape = tuple(config.train.mesh_shape)
     return c
 
 
@@ -333,8 +337,9 @@ def reuse_init(run: Run, d: pathlib.Path) -> dict:
                             "pipeline first (or set init.from_run='' to train the starting policy here)")
     theirs = json.loads((src / "pipeline_config.json").read_text())
     ours = json.loads(run.config.to_json_best_effort())
-    differ = [f for key in INIT_FIELDS for f in _diff({key: theirs.get(key)}, {key: ours.get(key)})
-              if f != "init.from_run" and f not in LAYOUT_FIELDS]
+    differ = [field for key in INIT_FIELDS
+              for field, _, _ in rundir.config_changes({key: theirs.get(key)}, {key: ours.get(key)})
+              if field != "init.from_run" and field not in LAYOUT_FIELDS]
     if differ:
         raise PipelineError(f"config.init.from_run={str(src)!r} was trained with other settings ({', '.join(differ)}); "
                             "use the same values or set init.from_run=''")
@@ -374,8 +379,8 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
                             "family; with tasks.source='files' set init.kind='path' and init.path")
 
     if config.init.kind == "random":  # no demonstrations: the run shows the mechanics with an untrained policy
-        model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))
-        save_hf(model, d / "policy_hf", tokenizer_dir=tokenizer_dir(config))
+        model = Llama(_tiny_llama_config(config, run.tokenizer_dir), rngs=nnx.Rngs(config.init.seed))
+        save_hf(model, d / "policy_hf", tokenizer_dir=run.tokenizer_dir)
         return {"policy_hf": str(d / "policy_hf"), "kind": "random",
                 "parameters": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}
 
@@ -402,11 +407,11 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
         parameters = LlamaConfig.from_hf(json.loads((pathlib.Path(start) / "config.json").read_text())
                                          ).num_params()
     else:
-        model = Llama(_tiny_llama_config(config), rngs=nnx.Rngs(config.init.seed))
+        model = Llama(_tiny_llama_config(config, run.tokenizer_dir), rngs=nnx.Rngs(config.init.seed))
         parameters = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
-        save_hf(model, d / "random_hf", tokenizer_dir=tokenizer_dir(config))
+        save_hf(model, d / "random_hf", tokenizer_dir=run.tokenizer_dir)
         start = str(d / "random_hf")
-    tconfig = train_config(config, kind="rft", stage=config.init.sft, model_path=start,
+    tconfig = train_config(config, kind="rft", stage=config.init.sft, model_path=start, tokenizer=run.tokenizer_dir,
                            trajectories=str(d / "sft_data.jsonl"))
     tconfig.train.seed = config.init.seed   # the starting policy is the run seeds' common "pretrained" model
     trained = train_and_export(run, d, tconfig)
@@ -429,8 +434,8 @@ def demonstration_pool(config, num_taken: int) -> list[dict]:
                                 min_keys=config.tasks.min_keys, max_keys=config.tasks.max_keys)
 
 
-def _tiny_llama_config(config):
-    tok = load_tokenizer(tokenizer_dir(config))
+def _tiny_llama_config(config, tokenizer_dir: str):
+    tok = load_tokenizer(tokenizer_dir)
     m = config.model
     return LlamaConfig.preset(
         "tiny", vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
@@ -442,54 +447,6 @@ def _tiny_llama_config(config):
 # ==========================================================================================================
 # Policies as samplers; rollouts (offline collection and evaluation)
 # ==========================================================================================================
-
-def load_sampler(run: Run, hf_dir: str, *, seed: int):
-    """A Sampler for the policy in hf_dir. Every policy of a run has the starting policy's architecture, so the
-    run keeps one Sampler and swaps its parameters (generate.load_sampler's reuse): its compiled programs serve
-    every rollout instead of being compiled again for each policy."""
-    c = run.config
-    dtype = c.model.dtype if c.model.dtype != "float32" else ""
-    mesh = model_loading.make_mesh(tuple(c.train.sampler_mesh_shape), field="config.train.sampler_mesh_shape")
-    run.sampler = generate.load_sampler(hf_dir, tokenizer_dir(c), dtype=dtype, seed=seed, mesh=mesh,
-                                        max_batch_size=c.train.max_batch_size, reuse=run.sampler,
-                                        cpu_matmul=c.model.cpu_matmul)
-    return run.sampler
-
-
-@contextlib.contextmanager
-def policy_sampler(run: Run, hf_dir: str, d: pathlib.Path, *, seed: int):
-    """The policy in hf_dir as a sampler for one stage (config.policy.backend): the run's in-process Sampler, or
-    an OpenAISampler over an engine started from config.policy.openai.command for hf_dir (stopped at the end of
-    the stage, its output in d/engine.log) or at config.policy.openai.base_urls (serving the starting policy)."""
-    p = run.config.get("policy")
-    backend = p.backend if p is not None else "in_process"
-    if backend == "openai" and not p.openai.command and hf_dir != run.starting_policy:
-        raise PipelineError(f"config.policy.backend='openai' with base_urls only: the running engines serve the "
-                            f"starting policy, but this stage samples {hf_dir}; set config.policy.openai.command "
-                            "so that the pipeline starts an engine for each policy it trains")
-    with policy_backend.policy_sampler(backend, p.openai if p is not None else None, hf_dir, tokenizer_dir(run.config),
-                                       lambda: load_sampler(run, hf_dir, seed=seed), field="config.policy.backend",
-                                       seed=seed, engine_log=d / "engine.log") as sampler:
-        yield sampler
-
-
-def play(run: Run, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, *, best_of: int, temperature: float,
-         max_new_tokens: int, batch_size: int, max_turns: int, seed: int) -> dict:
-    """Episodes of the policy in hf_dir on `tasks`, written to out (resumable), scored in the sandbox."""
-    with policy_sampler(run, hf_dir, out.parent, seed=seed) as sampler:
-        policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature,
-                               system_prompt=agent_prompt_for(run.config), seed=seed)
-        if run.frontend:
-            track = run.frontend_track
-            return rollout(tasks, policy, track.simulator, out, best_of=best_of, batch_size=batch_size,
-                           max_turns=max_turns, evaluator=track.scorer, progress=True, make_env=FrontendEnv)
-        simulator = make_simulator(run.config.simulator, field="config.simulator")
-        try:
-            return rollout(tasks, policy, simulator, out, best_of=best_of, batch_size=batch_size,
-                           max_turns=max_turns, evaluator=run.evaluator, progress=True)
-        finally:
-            simulator.close()
-
 
 # ==========================================================================================================
 # (3) offline trajectories
@@ -509,10 +466,9 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
         summary = summarize(trajs)
     else:
         collected = d / "collected.jsonl"
-        play(run, policy_hf, load_task_split(run, "train"), collected, best_of=c.collect.best_of,
-             temperature=c.collect.temperature, max_new_tokens=c.collect.max_new_tokens,
-             batch_size=c.collect.batch_size, max_turns=c.collect.max_turns, seed=c.seed + 100)
-        trajs = _read_jsonl(collected)
+        run.play(policy_hf, load_task_split(run, "train"), collected, c.collect, best_of=c.collect.best_of,
+                 seed=c.seed + 100)
+        trajs = jsonl.read(collected)
         if c.collect.scripted_per_task and run.frontend:
             scripted = scripted_design_trajectories(load_task_split(run, "train"), run.scorer, seed=c.seed + 1,
                                                     per_task=c.collect.scripted_per_task)
@@ -545,7 +501,7 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
 
 def stage_critic(run: Run, d: pathlib.Path, policy_hf: str, trajectories: str, *, use_info: bool) -> dict:
     tconfig = train_config(run.config, kind="critic", stage=run.config.critic, model_path=policy_hf,
-                           trajectories=trajectories, use_info=use_info, seed_offset=1)
+                           tokenizer=run.tokenizer_dir, trajectories=trajectories, use_info=use_info, seed_offset=1)
     out = train_and_export(run, d, tconfig)
     out["use_info"] = use_info
     out["heldout_accuracy"] = out["eval"].get("pair_accuracy")
@@ -586,7 +542,7 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
     per = c.rank.prompts_per_batch
     starts = [s for s in range(0, len(prompts), per) if any(p.key not in done for p in prompts[s:s + per])]
     if starts:
-        with policy_sampler(run, policy_hf, d, seed=c.seed + 200) as sampler:
+        with run.policy_sampler(policy_hf, d, seed=c.seed + 200) as sampler:
             for start in tqdm(starts, desc="candidates", unit="batch"):
                 batch = prompts[start:start + per]
                 cands = ranking.sample_candidates(sampler, batch, n=c.rank.num_candidates,
@@ -619,19 +575,16 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
                                    by_key[p.key].prompt_text, prompt_ids=by_key[p.key].prompt_ids,
                                    token_ids=by_key[p.key].token_ids) for p in batch]
 
-    tok = load_tokenizer(tokenizer_dir(c))
     dtype = c.model.dtype if c.model.dtype != "float32" else None
-    kw = dict(info_template=c.rank.info_template, info_placement=c.rank.info_placement, use_info=use_info,
-              batch_size=c.rank.score_batch_size, bucket=c.train.bucket, max_len=c.train.max_len * 2)
-    matmul = {"cpu_matmul": c.model.cpu_matmul}
-    critic_logp = ranking.ReplyScorer(load_hf(critic_hf, dtype=dtype, config_overrides=matmul), tok, **kw)
-    reference_logp = ranking.ReplyScorer(load_hf(policy_hf, dtype=dtype, config_overrides=matmul), tok, **kw) \
-        if c.rank.rank_reference == "ref_with_info" else None
+    critic_logp, reference_logp = ranking.critic_scorers(
+        critic_hf, policy_hf, load_tokenizer(run.tokenizer_dir), rank_reference=c.rank.rank_reference, dtype=dtype,
+        seed=c.seed, cpu_matmul=c.model.cpu_matmul, info_template=c.rank.info_template,
+        info_placement=c.rank.info_placement, use_info=use_info, batch_size=c.rank.score_batch_size,
+        bucket=c.train.bucket, max_len=c.train.max_len * 2)
     out = d / "pairs.jsonl"
-    result = ranking.rank_turns(prompts, sample_fn, critic_logp, reference_logp, out,
-                                rank_reference=c.rank.rank_reference, num_pairs=c.rank.num_pairs,
-                                seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch, progress=True,
-                                pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
+    result = ranking.rank(prompts, sample_fn, critic_logp, reference_logp, out, rank_reference=c.rank.rank_reference,
+                          num_pairs=c.rank.num_pairs, seed=c.seed, prompts_per_batch=c.rank.prompts_per_batch,
+                          progress=True, pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
     pairs = load_records(out, PolicyPair)
     if not pairs:
         raise PipelineError(f"{out}: no step-level pairs (every turn's candidates tied); raise "
@@ -659,13 +612,14 @@ def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
 def policy_train_config(run: Run, method: str, policy_hf: str, *, trajectories: str = "", pairs: str = ""):
     c = run.config
     if method in ("sweet", "sweet_no_info", "sweet_balanced"):
-        return train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, pairs=pairs, seed_offset=2)
+        return train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, tokenizer=run.tokenizer_dir,
+                            pairs=pairs, seed_offset=2)
     if method == "mtdpo":
-        return train_config(c, kind="mtdpo", stage=c.mtdpo, model_path=policy_hf, trajectories=trajectories,
-                            seed_offset=3)
+        return train_config(c, kind="mtdpo", stage=c.mtdpo, model_path=policy_hf, tokenizer=run.tokenizer_dir,
+                            trajectories=trajectories, seed_offset=3)
     if method == "rft":
-        return train_config(c, kind="rft", stage=c.rft, model_path=policy_hf, trajectories=trajectories,
-                            seed_offset=4)
+        return train_config(c, kind="rft", stage=c.rft, model_path=policy_hf, tokenizer=run.tokenizer_dir,
+                            trajectories=trajectories, seed_offset=4)
     raise PipelineError(f"no policy training for method {method!r}")
 
 
@@ -763,9 +717,8 @@ def choose(results: dict) -> dict:
 
 def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str, *, split: str = "heldout") -> dict:
     e = run.config.eval
-    summary = play(run, hf_dir, load_task_split(run, split), d / "trajectories.jsonl", best_of=e.samples,
-                   temperature=e.temperature, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                   max_turns=e.max_turns, seed=run.config.seed + (300 if split == "heldout" else 400))
+    summary = run.play(hf_dir, load_task_split(run, split), d / "trajectories.jsonl", e, best_of=e.samples,
+                       seed=run.config.seed + (300 if split == "heldout" else 400))
     if summary.get("success_rate") is None:
         raise PipelineError(f"evaluation of {method}: no scored episode in {d / 'trajectories.jsonl'}; see "
                             f"{d / 'trajectories.jsonl.failed.jsonl'}")
@@ -815,9 +768,9 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "stages": {k: v for k, v in summaries.items() if isinstance(v, dict)},
     }
     if run.frontend:  # mean CLIP cosine, and win rate against the zero-shot policy's answers to the same tasks
-        zero_shot = _read_jsonl(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
+        zero_shot = jsonl.read(run.path("eval", "zero_shot", "trajectories.jsonl")) if "zero_shot" in methods else None
         for m in methods:
-            e = frontend_evaluation(_read_jsonl(run.path("eval", m, "trajectories.jsonl")), zero_shot)
+            e = frontend_evaluation(jsonl.read(run.path("eval", m, "trajectories.jsonl")), zero_shot)
             win = e.get("win_rate")
             results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
                                          win_rate_pct=100.0 * win if win is not None else float("nan"))
@@ -838,6 +791,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
     accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
     check_ranges(config, PIPELINE_RANGES, PipelineError)
+    check_stages(config, PipelineError)
+    policy_backend.check_backend(config.policy.backend, "config.policy.backend")
     methods = methods_of(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -947,7 +902,7 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     offline = run.path("offline", "trajectories.jsonl")
     synthetic = run.config.tasks.source == "synthetic" and offline.exists()
     if synthetic and run.path("candidates", DONE).exists():
-        trajs = _read_jsonl(offline)
+        trajs = jsonl.read(offline)
         write_json(out / "prompts.json", diagnostics_lib.prompt_states(ranked_prompts(run, str(offline)), trajs))
     if synthetic and run.path("candidates_balanced", DONE).exists():
         write_json(out / "prompts_balanced.json",
@@ -961,9 +916,9 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
                                                                                max_turns=run.config.eval.max_turns))
         else:
             write_jsonl(out / f"pairs_{name}.jsonl", [{k: v for k, v in r.items() if not k.endswith("_ids")}
-                                                       for r in _read_jsonl(pairs)])
+                                                       for r in jsonl.read(pairs)])
         if scores.exists():
-            rows = {(r["trajectory_index"], r["turn"]): r for r in _read_jsonl(scores)}  # a resumed batch: last
+            rows = {(r["trajectory_index"], r["turn"]): r for r in jsonl.read(scores)}  # a resumed batch: last
             if synthetic:
                 rows = {k: diagnostics_lib.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
                         for k, r in rows.items()}
@@ -1025,15 +980,13 @@ def stage_round_offline(run: Run, d: pathlib.Path, policy_hf: str, round_index: 
     """A round's episodes: the policy on the training tasks, as the offline stage collects them."""
     c = run.config
     collected = d / "collected.jsonl"
-    summary = play(run, policy_hf, load_task_split(run, "train"), collected, best_of=c.collect.best_of,
-                   temperature=c.collect.temperature, max_new_tokens=c.collect.max_new_tokens,
-                   batch_size=c.collect.batch_size, max_turns=c.collect.max_turns,
-                   seed=c.seed + 100 + 1000 * round_index)
+    summary = run.play(policy_hf, load_task_split(run, "train"), collected, c.collect, best_of=c.collect.best_of,
+                       seed=c.seed + 100 + 1000 * round_index)
     return dict(summary, trajectories=str(collected))
 
 
 def _concatenate(paths: Sequence[str], out: pathlib.Path) -> pathlib.Path:
-    write_jsonl(out, [r for p in paths for r in _read_jsonl(p)])
+    write_jsonl(out, [r for p in paths for r in jsonl.read(p)])
     return out
 
 
@@ -1063,14 +1016,3 @@ def _check_same_config(config, workdir: pathlib.Path, *, accept_change: bool = F
         log.warning("config changed on this rerun (recorded in pipeline_config_changes.jsonl); finished stages keep "
                     "their results, only the remaining ones use the new values: %s",
                     "; ".join(f"{field}: {old!r} -> {new!r}" for field, old, new in changes))
-
-
-def _diff(a, b, prefix="") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in set(a) | set(b):
-            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [prefix.rstrip(".")] if a != b else []
-
-

@@ -374,52 +374,62 @@ def run(config, *, accept_config_change: bool = False) -> dict:
     if p.backend == "openai" and config.simulator.kind == "model" and not config.simulator.path:
         raise RolloutError("simulator.kind='model' with simulator.path='' plays the human with the policy's own "
                            "in-process model; with policy.backend='openai' set simulator.path")
-    with policy_backend.policy_sampler(
-            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
-            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
-                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
-        return play(config, tasks, sampler, mesh, frontend=frontend)
-
-
-def play(config, tasks, sampler: BaseSampler, mesh, *, frontend: bool) -> dict:
-    """The episodes of the config's tasks with the policy `sampler` (in-process or an engine)."""
-    policy = SamplerPolicy(sampler, max_new_tokens=config.sampling.max_new_tokens,
-                                   temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-                                   top_k=config.sampling.top_k, system_prompt=agent_prompt_for(config),
-                                   seed=config.seed)
-    if frontend:  # browsers + CLIP score the answers, the simulator compares pages (sweet_jax.envs.frontend)
-
-        track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
+    with policy_backend.policy_sampler(p, p.path, p.tokenizer, seed=config.seed, dtype=p.dtype, mesh=mesh,
+                                       max_batch_size=config.max_batch_size) as sampler:
+        out = pathlib.Path(config.output)
+        settings = dict(best_of=config.best_of, batch_size=config.batch_size, max_turns=config.max_turns,
+                        max_new_tokens=config.sampling.max_new_tokens, temperature=config.sampling.temperature,
+                        top_p=config.sampling.top_p, top_k=config.sampling.top_k,
+                        system_prompt=agent_prompt_for(config), seed=config.seed, progress=config.progress)
+        if frontend:  # browsers + CLIP score the answers, the simulator compares pages (sweet_jax.envs.frontend)
+            track = FrontendTrack(config.frontend, config.simulator, seed=config.seed)
+            try:
+                return play(tasks, sampler, out, simulator=config.simulator, frontend=track, **settings)
+            finally:
+                track.close()
+        evaluator = None
         try:
-            summary = rollout(tasks, policy, track.simulator, pathlib.Path(config.output),
-                                      best_of=config.best_of, batch_size=config.batch_size, max_turns=config.max_turns,
-                                      evaluator=track.scorer, progress=config.progress, make_env=FrontendEnv)
+            if config.sandbox.enabled:
+                evaluator = Evaluator(workers=config.sandbox.workers or None, timeout_s=config.sandbox.timeout_s,
+                                      compat=config.sandbox.compat, degraded_ok=config.sandbox.degraded_ok)
+                evaluator.__enter__()
+            summary = play(tasks, sampler, out, simulator=config.simulator, evaluator=evaluator,
+                           simulator_seed=config.seed, simulator_sampler=sampler, load_simulator=lambda: (
+                               generate.load_sampler(config.simulator.path, config.simulator.tokenizer,
+                                                     dtype=config.policy.dtype, seed=config.seed, mesh=mesh)),
+                           **settings)
         finally:
-            track.close()
-        return summary
-    simulator = make_simulator(
-        config.simulator, seed=config.seed, policy_sampler=sampler,
-        load_sampler=lambda: generate.load_sampler(config.simulator.path, config.simulator.tokenizer,
-                                                 dtype=config.policy.dtype, seed=config.seed, mesh=mesh))
-    out = pathlib.Path(config.output)
-    evaluator = None
-    try:
-        if config.sandbox.enabled:
-            evaluator = Evaluator(workers=config.sandbox.workers or None, timeout_s=config.sandbox.timeout_s,
-                                  compat=config.sandbox.compat, degraded_ok=config.sandbox.degraded_ok)
-            evaluator.__enter__()
-        summary = rollout(tasks, policy, simulator, out, best_of=config.best_of,
-                                  batch_size=config.batch_size, max_turns=config.max_turns, evaluator=evaluator,
-                                  progress=config.progress)
-        if config.get("layout", "by_task") == "official":
-            write_official_layout(out, tasks, config.best_of)
-            summary = dict(summarize(read_records(out)), failed_episodes=summary["failed_episodes"])
-            summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
-    finally:
-        if evaluator is not None:
-            evaluator.__exit__(None, None, None)
-        simulator.close()
+            if evaluator is not None:
+                evaluator.__exit__(None, None, None)
+    if config.get("layout", "by_task") == "official":
+        write_official_layout(out, tasks, config.best_of)
+        summary = dict(summarize(read_records(out)), failed_episodes=summary["failed_episodes"])
+        summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def play(tasks: Sequence[Any], sampler: BaseSampler, out, *, best_of: int, batch_size: int, max_turns: int,
+         max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0, system_prompt: str | None,
+         seed: int, simulator, evaluator=None, frontend: FrontendTrack | None = None, progress: bool = True,
+         simulator_seed: int = 0, simulator_sampler: BaseSampler | None = None,
+         load_simulator: Callable[[], Any] | None = None, field: str = "simulator") -> dict:
+    """The episodes of the policy `sampler` (in-process or an engine) on `tasks`, written to out (resumable,
+    `rollout`): what `python -m sweet_jax.rollout` and the pipeline's offline and evaluation stages play. The
+    human: the frontend track's simulator (its browsers + CLIP score the answers), else the `simulator` config
+    block's (make_simulator with simulator_seed, simulator_sampler, load_simulator and field; closed at the end),
+    the answers scored by evaluator (the sandbox; None: not scored)."""
+    policy = SamplerPolicy(sampler, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           system_prompt=system_prompt, seed=seed)
+    settings = dict(best_of=best_of, batch_size=batch_size, max_turns=max_turns, progress=progress)
+    if frontend is not None:
+        return rollout(tasks, policy, frontend.simulator, out, evaluator=frontend.scorer, make_env=FrontendEnv,
+                       **settings)
+    human = make_simulator(simulator, seed=simulator_seed, policy_sampler=simulator_sampler,
+                           load_sampler=load_simulator, field=field)
+    try:
+        return rollout(tasks, policy, human, out, evaluator=evaluator, **settings)
+    finally:
+        human.close()
 
 
 def record_config(config, *, accept_config_change: bool = False) -> list:

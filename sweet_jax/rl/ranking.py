@@ -43,7 +43,7 @@ from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.rl import diagnostics
-from sweet_jax.sampling import generate, policy_backend
+from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
 from sweet_jax.train import model_loading, rundir, steps
 
@@ -390,10 +390,8 @@ def run(config, *, accept_config_change: bool = False) -> dict:
         trajectories = trajectories[:config.num_trajectories]
     prompts = turn_prompts(trajectories)
     p = config.policy
-    with policy_backend.policy_sampler(
-            p.backend, p.openai, p.path, model_loading.tokenizer_dir(p.tokenizer, p.path),
-            lambda: generate.load_sampler(p.path, p.tokenizer, dtype=p.dtype, seed=config.seed, mesh=mesh,
-                                        max_batch_size=config.max_batch_size), seed=config.seed) as sampler:
+    with policy_backend.policy_sampler(p, p.path, p.tokenizer, seed=config.seed, dtype=p.dtype, mesh=mesh,
+                                       max_batch_size=config.max_batch_size) as sampler:
         return rank_with(config, prompts, sampler, mesh)
 
 
@@ -401,38 +399,60 @@ def rank_with(config, prompts, sampler: BaseSampler, mesh) -> dict:
     """Candidates from `sampler` (in-process or an engine), scored by the critic, pairs appended to the output."""
     tokenizer = sampler.tokenizer
     tokenizers.check_chat_template(tokenizer)
-    critic, critic_run = model_loading.load_model(config.critic.path, dtype=config.critic.dtype, mesh=mesh,
-                                           tokenizer=tokenizer, seed=config.seed + 1, what="critic")
-    info_template, info_placement, use_info = config.info_template, config.info_placement, config.critic.use_info
-    if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
-        info_template, info_placement = critic_run.data.info_template, critic_run.data.info_placement
-        use_info = bool(critic_run.loss.use_info)
-        log.info("critic run settings: info_template=%r info_placement=%s use_info=%s", info_template,
-                 info_placement, use_info)
-    scorer_kw = dict(info_template=info_template, info_placement=info_placement, use_info=use_info,
-                     batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
-                     style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0),
-                     system_prompt=AGENT_PROMPT if config.agent_prompt else None)
-    critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
-    reference_logp = None
-    if config.rank_reference == "ref_with_info":
-        ref_path = config.reference.path or config.policy.path
-        in_process = sampler.local_model is not None  # an engine holds the weights in its own process
-        reference = sampler.local_model if ref_path == config.policy.path and in_process else model_loading.load_model(
-            ref_path, dtype=config.critic.dtype, mesh=mesh, tokenizer=tokenizer, seed=config.seed, what="reference")[0]
-        reference_logp = ReplyScorer(reference, tokenizer, **scorer_kw)
+    system_prompt = AGENT_PROMPT if config.agent_prompt else None
+    ref_path = config.reference.path or config.policy.path
+    in_process = sampler.local_model is not None  # an engine holds the weights in its own process
+    critic_logp, reference_logp = critic_scorers(
+        config.critic.path, sampler.local_model if ref_path == config.policy.path and in_process else ref_path,
+        tokenizer, rank_reference=config.rank_reference, dtype=config.critic.dtype, mesh=mesh, seed=config.seed,
+        info_template=config.info_template, info_placement=config.info_placement, use_info=config.critic.use_info,
+        batch_size=config.score_batch_size, bucket=config.bucket, max_len=config.max_len,
+        style=config.get("score_style", "reply"), temperature=config.get("critic_temperature", 1.0),
+        system_prompt=system_prompt)
     calls = [0]
 
     def sample_fn(batch):
         calls[0] += 1
         return sample_candidates(sampler, batch, n=config.num_candidates, max_new_tokens=config.max_new_tokens,
                                  temperature=config.temperature, seed=config.seed * 1_000_003 + calls[0],
-                                 system_prompt=AGENT_PROMPT if config.agent_prompt else None)
+                                 system_prompt=system_prompt)
 
-    result = rank_turns(prompts, sample_fn, critic_logp, reference_logp, config.output,
-                        rank_reference=config.rank_reference, num_pairs=config.num_pairs, seed=config.seed,
-                        prompts_per_batch=config.prompts_per_batch, progress=config.progress,
-                        pairing=config.get("pairing", "strict"))
+    return rank(prompts, sample_fn, critic_logp, reference_logp, config.output,
+                rank_reference=config.rank_reference, num_pairs=config.num_pairs, seed=config.seed,
+                prompts_per_batch=config.prompts_per_batch, progress=config.progress,
+                pairing=config.get("pairing", "strict"))
+
+
+def critic_scorers(critic_path: str, reference, tokenizer, *, rank_reference: str, dtype: str | None, mesh=None,
+                   seed: int = 0, cpu_matmul: str | None = None, info_template: str, info_placement: str,
+                   use_info: bool, **scorer_kw) -> tuple[ReplyScorer, ReplyScorer | None]:
+    """(critic_logp, reference_logp): the ReplyScorers of the critic at critic_path and, with rank_reference
+    'ref_with_info', of pi_ref (`reference`: a model path, or a model already in memory such as the in-process
+    sampler's); None for the reference otherwise. A critic that is a training run directory reads c as it was
+    trained to (its data.info_template, data.info_placement, loss.use_info). scorer_kw: ReplyScorer's other
+    settings. seed: the demo model's ('' paths; the critic's is seed + 1)."""
+    critic, critic_run = model_loading.load_model(critic_path, dtype=dtype, mesh=mesh, tokenizer=tokenizer,
+                                                  seed=seed + 1, what="critic", cpu_matmul=cpu_matmul)
+    if critic_run is not None:  # a training workdir: read c exactly as the critic was trained to
+        info_template, info_placement = critic_run.data.info_template, critic_run.data.info_placement
+        use_info = bool(critic_run.loss.use_info)
+        log.info("critic run settings: info_template=%r info_placement=%s use_info=%s", info_template,
+                 info_placement, use_info)
+    scorer_kw.update(info_template=info_template, info_placement=info_placement, use_info=use_info)
+    critic_logp = ReplyScorer(critic, tokenizer, **scorer_kw)
+    if rank_reference != "ref_with_info":
+        return critic_logp, None
+    if isinstance(reference, (str, pathlib.Path)):
+        reference = model_loading.load_model(str(reference), dtype=dtype, mesh=mesh, tokenizer=tokenizer, seed=seed,
+                                             what="reference", cpu_matmul=cpu_matmul)[0]
+    return critic_logp, ReplyScorer(reference, tokenizer, **scorer_kw)
+
+
+def rank(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[TurnPrompt]], list[Candidates]],
+         critic_logp: ReplyScorer, reference_logp: ReplyScorer | None, out_path, **rank_kw) -> dict:
+    """rank_turns (rank_kw: its settings) with the scorers of critic_scorers; the result also counts the
+    candidates that could not be scored (left out of the ranking, the first one logged)."""
+    result = rank_turns(prompts, sample_fn, critic_logp, reference_logp, out_path, **rank_kw)
     unscorable = critic_logp.unscorable + (reference_logp.unscorable if reference_logp is not None else [])
     if unscorable:
         log.warning("%d candidates could not be scored and were left out; first: turn %s: %s", len(unscorable),

@@ -57,7 +57,9 @@ from tqdm import tqdm
 from sweet_jax import http_bounds
 from sweet_jax.data.tokenizers import load_tokenizer
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.sampling import generate
 from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
+from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,15 @@ class PolicyBackendError(SweetJaxError):
 class AnswerError(Exception):
     """An engine's answer that breaks what was asked (a token id outside the vocabulary, more tokens than
     max_tokens, a log-prob per token missing, NaN or > 0, ...): the request is retried, never recorded."""
+
+
+def policy_config() -> ml_collections.ConfigDict:
+    """Where the policy samples, the `policy` block of the rollout, rank and pipeline configs (policy_sampler reads
+    it): backend and its `openai` settings. Declared, defaulted and checked (check_backend) here only."""
+    c = ml_collections.ConfigDict()
+    c.backend = "in_process"      # in_process | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
+    c.openai = openai_config()
+    return c
 
 
 def openai_config():
@@ -494,32 +505,41 @@ def hf_vocab_size(hf_dir: str) -> int | None:
 
 
 @contextlib.contextmanager
-def policy_sampler(backend: str, openai: Any, hf_dir: str, tokenizer_dir: str,
-                   load_in_process: Callable[[], Any], *, field: str = "policy.backend", seed: int = 0,
-                   engine_log: str | os.PathLike | None = None) -> Iterator[BaseSampler]:
-    """A sampler for the policy in hf_dir, for the duration of the block: load_in_process() for backend
-    in_process; for openai an OpenAISampler over policy.openai.base_urls, or over an engine started from
-    policy.openai.command (stopped when the block ends)."""
-    check_backend(backend, field)
-    if backend == "in_process":
-        yield load_in_process()
+def policy_sampler(policy, path: str, tokenizer: str = "", *, seed: int = 0, dtype: str | None = None, mesh=None,
+                   max_batch_size: int = 64, reuse=None, cpu_matmul: str | None = None, served: str | None = None,
+                   field: str = "policy", engine_log: str | os.PathLike | None = None) -> Iterator[BaseSampler]:
+    """A sampler for the policy at `path` for the duration of the block, where the config's `policy` block
+    (policy_config) says: backend in_process, generate.load_sampler (the tokenizer `tokenizer`, else the model's;
+    dtype, mesh, max_batch_size, reuse, cpu_matmul: its settings); openai, an OpenAISampler over
+    policy.openai.base_urls, or over an engine started from policy.openai.command for `path` (stopped when the
+    block ends, its output in engine_log). served: the model the engines at base_urls serve, when the caller
+    knows it (asking them for another one is an error). field: where `policy` sits in the config, for errors."""
+    check_backend(policy.backend, f"{field}.backend")
+    if policy.backend == "in_process":
+        yield generate.load_sampler(path, tokenizer, dtype=dtype, seed=seed, mesh=mesh, max_batch_size=max_batch_size,
+                                    reuse=reuse, cpu_matmul=cpu_matmul)
         return
 
-    eos, context = hf_eos_ids(hf_dir)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    openai = policy.openai
+    if not openai.command and served is not None and path != served:
+        raise PolicyBackendError(f"{field}.backend='openai' with base_urls only: the running engines serve {served}, "
+                                 f"but {path} is asked for; set {field}.openai.command so that an engine is started "
+                                 "for each policy")
+    eos, context = hf_eos_ids(path)
+    tokenizer = load_tokenizer(model_loading.tokenizer_dir(tokenizer, path))
     engine = None
     urls = [u.strip() for u in str(openai.base_urls).split(",") if u.strip()]
     if openai.command:
         if urls:
-            raise PolicyBackendError("policy.openai: set base_urls (running engines) or command (an engine to start "
-                                     "for each policy), not both")
-        engine = Engine(openai.command, hf_dir, host=openai.host, port=openai.port,
+            raise PolicyBackendError(f"{field}.openai: set base_urls (running engines) or command (an engine to "
+                                     "start for each policy), not both")
+        engine = Engine(openai.command, path, host=openai.host, port=openai.port,
                         startup_timeout_s=openai.startup_timeout_s, log_path=engine_log)
         engine.start()
         urls = [engine.url]
     sampler = None
     try:
-        sampler = OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos, vocab_size=hf_vocab_size(hf_dir),
+        sampler = OpenAISampler(urls, tokenizer, model=openai.model, eos_token_ids=eos, vocab_size=hf_vocab_size(path),
                                 max_position_embeddings=context, api_key=openai.api_key,
                                 concurrency=openai.concurrency, max_retries=openai.max_retries,
                                 backoff_s=openai.backoff_s, timeout_s=openai.timeout_s, engine=engine, seed=seed)

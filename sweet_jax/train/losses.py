@@ -14,10 +14,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from sweet_jax.config_utils import ADVANTAGE_NORMS
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul
 
-ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")
 NLL_SCOPES = ("reply", "sequence")
 
 
@@ -234,7 +234,7 @@ def _check_norm(norm: str) -> None:
 
 
 def turn_advantages(logp_BT: jax.Array, ref_logp_BT: jax.Array, turn_ids_BT: jax.Array, *,
-                    num_turns: int, norm: str = "turn_mean") -> jax.Array:
+                    num_turns: int, norm: str) -> jax.Array:
     """Per-turn advantages A_k = f(sum over turn k's tokens of (logp - ref_logp)) -> [B, num_turns].
 
     turn_ids: 0 = not an action token, k = k-th assistant turn (ids above num_turns are ignored).
@@ -257,7 +257,7 @@ def turn_advantages(logp_BT: jax.Array, ref_logp_BT: jax.Array, turn_ids_BT: jax
 
 
 def trajectory_advantage(logp_BT: jax.Array, ref_logp_BT: jax.Array, turn_ids_BT: jax.Array, *,
-                         norm: str = "turn_mean", num_turns: int | None = None) -> jax.Array:
+                         norm: str, num_turns: int | None = None) -> jax.Array:
     """The critic's trajectory score S = sum_t A(o_t, a_t, c) -> [B].
 
     Needs no bound on the number of turns: per-turn sums are a segment sum keyed by (row, turn id).

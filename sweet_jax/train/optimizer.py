@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sweet_jax.config_utils import setting, train_default
 from sweet_jax.errors import SweetJaxError
 
 HOST_MEMORY = "pinned_host"
@@ -20,8 +21,8 @@ class StepConfigError(SweetJaxError):
     """A step factory got options that cannot work (unknown kind, batch not divisible into micro-batches)."""
 
 
-def make_schedule(lr: float, total_steps: int, *, warmup_ratio: float = 0.03,
-                  final_ratio: float = 0.1) -> optax.Schedule:
+def make_schedule(lr: float, total_steps: int, *, warmup_ratio: float = train_default("optim.warmup_ratio"),
+                  final_ratio: float = train_default("optim.final_ratio")) -> optax.Schedule:
     """Linear warm-up over warmup_ratio of the steps, then cosine down to final_ratio * lr (official trainer)."""
     total_steps = max(int(total_steps), 1)
     warmup = min(int(math.ceil(warmup_ratio * total_steps)), total_steps - 1)
@@ -44,9 +45,11 @@ class LayerwiseOptimizer(NamedTuple):
     inner: optax.GradientTransformation
 
 
-def make_optimizer(lr: float, total_steps: int, *, warmup_ratio: float = 0.03, final_ratio: float = 0.1,
-                   b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0, clip: float = 1.0,
-                   moments_dtype: str = "float32", layerwise: bool = False) -> optax.GradientTransformation:
+def make_optimizer(lr: float, total_steps: int, *, warmup_ratio: float = train_default("optim.warmup_ratio"),
+                   final_ratio: float = train_default("optim.final_ratio"), b1: float = train_default("optim.b1"),
+                   b2: float = train_default("optim.b2"), weight_decay: float = train_default("optim.weight_decay"),
+                   clip: float = train_default("optim.clip"), moments_dtype: str = train_default("optim.moments_dtype"),
+                   layerwise: bool = train_default("optim.layerwise_update")) -> optax.GradientTransformation:
     """clip_by_global_norm(clip) then AdamW on the warm-up + cosine schedule.
 
     moments_dtype 'bfloat16' stores both Adam moments in bfloat16 (half the optimiser state: 4 instead of 8 bytes
@@ -93,8 +96,8 @@ def optimizer_from_config(optim, total_steps: int) -> tuple[optax.GradientTransf
     """(optimizer, lr schedule) from the config's `optim` section."""
     kw = dict(warmup_ratio=optim.warmup_ratio, final_ratio=optim.final_ratio)
     return (make_optimizer(optim.lr, total_steps, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
-                           clip=optim.clip, moments_dtype=optim.get("moments_dtype", "float32"),
-                           layerwise=optim.get("layerwise_update", False), **kw),
+                           clip=optim.clip, moments_dtype=setting(optim, "moments_dtype", "optim"),
+                           layerwise=setting(optim, "layerwise_update", "optim"), **kw),
             make_schedule(optim.lr, total_steps, **kw))
 
 

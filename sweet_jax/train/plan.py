@@ -20,7 +20,7 @@ from flax import nnx
 from jax.experimental import topologies
 
 from sweet_jax import sharding
-from sweet_jax.config_utils import model_overrides
+from sweet_jax.config_utils import model_overrides, setting
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import Llama, LlamaConfig
 from sweet_jax.models.attention import resolve_attention_impl
@@ -235,7 +235,7 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
     lora = LoRAConfig.from_config(config.get("lora"))  # rank > 0: adapters trained, the base frozen
     state = steps.abstract_train_state(lambda: add_adapters(Llama(mcfg, rngs=nnx.Rngs(0)), lora), optimizer, mesh,
                                        trainable=nnx.LoRAParam if lora.enabled else nnx.Param,
-                                       offload_opt_state=config.optim.get("offload_state", False))
+                                       offload_opt_state=setting(config, "optim.offload_state"))
     bsh = steps.batch_sharding(mesh)
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bsh)  # noqa: E731
     batch = {"input_ids": sds((B, P, T), jnp.int32), "attention_mask": sds((B, P, T), jnp.int32),
@@ -263,10 +263,10 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                 model_flops=mcfg.flops_per_token(T) * B * P * T / mesh.devices.size,
                 layout=", ".join([("scan" if mcfg.scan_layers else "unrolled"), attention
                                   + (f" {mcfg.attention_chunk_size}" if attention == "chunked" else "")]
-                                 + (["SP"] if config.model.get("sequence_parallel", False) else [])
+                                 + (["SP"] if setting(config, "model.sequence_parallel") else [])
                                  + ([f"LoRA r{lora.rank}"] if lora.enabled else [])
                                  + (["bf16 moments"] if config.optim.get("moments_dtype") == "bfloat16" else [])
-                                 + (["opt state on host"] if config.optim.get("offload_state") else [])
+                                 + (["opt state on host"] if setting(config, "optim.offload_state") else [])
                                  + (["layerwise update"] if config.optim.get("layerwise_update") else [])))
     try:
         compiled = lowered.compile()
@@ -410,11 +410,11 @@ def fit_layouts(config, topology: Topology) -> list[Layout]:
     groups.append(micro)
     tensor = [()]
     for t in (2, 4, 8):
-        if n % t == 0 and n > t and mcfg.num_kv_heads % t == 0 and not config.model.get("sequence_parallel", False):
+        if n % t == 0 and n > t and mcfg.num_kv_heads % t == 0 and not setting(config, "model.sequence_parallel"):
             tensor.append(((("mesh.shape", (1, n // t, t)), ("model.sequence_parallel", True)),
                            FIT_COSTS["tensor"] * math.log2(t)))
     groups.append(tensor)
-    if not config.optim.get("offload_state", False) and not (topology.chip == LOCAL and "cpu" in
+    if not setting(config, "optim.offload_state") and not (topology.chip == LOCAL and "cpu" in
                                                              topology.device_kind.lower()):
         groups.append([(), ((("optim.offload_state", True),), FIT_COSTS["offload"])])
     layouts = []

@@ -25,6 +25,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sweet_jax import sharding
+from sweet_jax.config_utils import setting, train_default
 from sweet_jax.data import batching
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul
@@ -224,12 +225,12 @@ def _weight(batch):
 class LossSpec:
     """Which loss a step optimises, with its hyper-parameters (static under jit)."""
     kind: str                      # 'critic' | 'dpo' | 'mtdpo' | 'sft'
-    beta: float = 0.1
-    advantage_norm: str = "turn_mean"
-    nll_coef: float = 0.0
-    label_smoothing: float = 0.0
+    beta: float = train_default("loss.beta")              # the other fields' defaults: the train config's
+    advantage_norm: str = train_default("loss.advantage_norm")
+    nll_coef: float = train_default("loss.nll_coef")
+    label_smoothing: float = train_default("loss.label_smoothing")
     chunk_size: int | None = None  # unembedding positions per chunk (losses.label_logprobs; None: by bytes)
-    nll_scope: str = "reply"       # 'reply' (the paper) | 'sequence' (the official trainer: prompt included)
+    nll_scope: str = train_default("loss.nll_scope")  # reply (the paper) | sequence (official: prompt included)
 
     def __post_init__(self):
         if self.kind not in LOSS_SPEC_KINDS:
@@ -397,8 +398,8 @@ class HostLoopStep:
     each micro-batch shape compiles once (T / length_multiple lengths, x 2 with score positions). Loss, metrics
     and gradients equal the one-program step's up to float32 summation order."""
 
-    def __init__(self, spec: LossSpec, optimizer, lr_schedule=None, *, micro_batch_size: int = 0,
-                 length_multiple: int = 128, score_positions: bool = True, state: TrainState | None = None,
+    def __init__(self, spec: LossSpec, optimizer, lr_schedule=None, *, micro_batch_size: int,
+                 length_multiple: int, score_positions: bool, state: TrainState | None = None,
                  mesh=None):
         self.spec, self.micro_batch_size = spec, micro_batch_size
         self.length_multiple, self.score_positions = length_multiple, score_positions
@@ -487,13 +488,15 @@ def loss_spec(loss, *, chunk_size: int | None = None) -> LossSpec:
         raise StepConfigError(f"loss.kind={kind!r} is not one of critic, {', '.join(POLICY_KINDS)}")
     return LossSpec("critic" if kind == "critic" else "sft" if kind == "rft" else kind, beta=float(loss.beta),
                     advantage_norm=loss.advantage_norm, nll_coef=float(loss.nll_coef),
-                    label_smoothing=float(loss.label_smoothing), nll_scope=loss.get("nll_scope", "reply"),
+                    label_smoothing=float(loss.label_smoothing), nll_scope=setting(loss, "nll_scope", "loss"),
                     chunk_size=chunk_size)
 
 
-def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *, micro_batch_size: int = 0,
+def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *,
+              micro_batch_size: int = train_default("train.micro_batch_size"),
               lr_schedule=None, ref_in_step: bool = False, host_loop: bool | None = None,
-              length_multiple: int = 128, score_positions: bool = True):
+              length_multiple: int = train_default("data.bucket"),
+              score_positions: bool = train_default("loss.score_positions")):
     """step(state, batch[, ref_params]) -> (state, metrics): one optimiser step on the LossSpec's loss.
 
     critic: Bradley-Terry over [B, 2, T] trajectory pairs (chosen first); dpo: step-level DPO on [B, 2, T]
@@ -564,8 +567,8 @@ def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, c
 
 
 def make_score_step(graphdef, params_shardings=None, mesh=None, *, num_turns: int = 1,
-                    advantage_norm: str = "turn_mean", rest=None, chunk_size: int | None = None,
-                    ref_in_step: bool = False, temperature: float = 1.0):
+                    advantage_norm: str = train_default("loss.advantage_norm"), rest=None,
+                    chunk_size: int | None = None, ref_in_step: bool = False, temperature: float = 1.0):
     """score(params, batch[, ref_params]) -> per-turn critic advantages [B, P, num_turns] float32.
 
     For ranking policy candidates (P = 1, the reply has turn id 1): A(o_t, a, c) = mean over the reply's
