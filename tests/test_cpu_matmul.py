@@ -145,18 +145,21 @@ def test_train_steps_track_float32(kind, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sampler_greedy_tokens_match_the_float32_sampler(backend):
     fast, ref = model_pair(cpu_matmul=backend)
-    prompts = [list(np.random.default_rng(i).integers(3, CFG.vocab_size, 5 + i)) for i in range(8)]
-    out = generate.Sampler(fast, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
-    ref_out = generate.Sampler(ref, None, max_batch_size=8).generate(prompts, max_new_tokens=12, temperature=0.0)
-    same = [list(a[0].token_ids) == list(b[0].token_ids) for a, b in zip(out, ref_out)]
-    assert sum(same) >= 6, same  # bf16 weights may flip a near-tie on a random tiny model
-    # What the sampler computes: float32 activations against bf16-rounded weights (split_activations).
+    prompts = [list(np.random.default_rng(i).integers(3, CFG.vocab_size, 5 + i % 8)) for i in range(32)]
+
+    def greedy(model):
+        out = generate.Sampler(model, None, max_batch_size=32).generate(prompts, max_new_tokens=24, temperature=0.0)
+        return [list(g[0].token_ids) for g in out]
+
+    tokens = greedy(fast)
+    same = sum(a == b for a, b in zip(tokens, greedy(ref)))
+    assert same >= 28, same  # bf16 weights may flip a near-tie on a random tiny model (29 of 32 rows here)
+    # What the sampler computes: float32 activations against bf16-rounded weights (split_activations). With the
+    # activations rounded too (no split), one of these 32 rows differs from it.
     graphdef, state = nnx.split(ref)
     rounded = nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32),
                                                          generate._bf16_kernels(state)))
-    rounded_out = generate.Sampler(rounded, None, max_batch_size=8).generate(prompts, max_new_tokens=12,
-                                                                            temperature=0.0)
-    assert [list(a[0].token_ids) for a in out] == [list(b[0].token_ids) for b in rounded_out]
+    assert tokens == greedy(rounded)
 
 
 @pytest.fixture
