@@ -251,6 +251,17 @@ SHARED_FIELDS = {"model.dtype": "model.dtype", "model.remat": "model.remat", "mo
                  "train.mesh_shape": "mesh.shape"}
 
 
+def _shared_values(pipeline: ml_collections.ConfigDict) -> dict:
+    """{SHARED_FIELDS source: its value} for the shared fields the pipeline config has."""
+    values = {}
+    for source in SHARED_FIELDS:
+        try:
+            values[source] = config_get(pipeline, source)
+        except (KeyError, AttributeError):
+            continue
+    return values
+
+
 def stage_config(**values) -> ml_collections.ConfigDict:
     """A training stage's section of the pipeline config (STAGE_FIELDS), `values` over its defaults."""
     unknown = set(values) - set(STAGE_FIELDS)
@@ -267,11 +278,8 @@ def stage_train_config(pipeline: ml_collections.ConfigDict, stage: ml_collection
     """The train config (base_config) of one training stage of a pipeline config: its shared fields
     (SHARED_FIELDS) and the stage section's (STAGE_FIELDS) set over the train config's defaults."""
     c = base_config()
-    for source, target in SHARED_FIELDS.items():
-        try:
-            value = config_get(pipeline, source)
-        except (KeyError, AttributeError):
-            continue
+    for source, value in _shared_values(pipeline).items():
+        target = SHARED_FIELDS[source]
         config_set(c, target, tuple(value) if target == "mesh.shape" else value)
     for name, target in STAGE_FIELDS.items():
         config_set(c, target, stage[name])
@@ -282,13 +290,7 @@ def check_stages(pipeline: ml_collections.ConfigDict, error=None) -> None:
     """Every training stage section of a pipeline config (TRAINING_STAGES), as the train config it makes
     (stage_train_config), checked as trainer.run checks it (check_config): before any stage runs, the first wrong
     value an `error` (TrainConfigError) naming the pipeline field it came from (config.sweet.advantage_norm)."""
-    shared = {}
-    for source, target in SHARED_FIELDS.items():
-        try:
-            config_get(pipeline, source)
-        except (KeyError, AttributeError):
-            continue
-        shared[target] = source
+    shared = {SHARED_FIELDS[source]: source for source in _shared_values(pipeline)}
     for stage_name in TRAINING_STAGES:
         try:
             stage = config_get(pipeline, stage_name)

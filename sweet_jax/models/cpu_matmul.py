@@ -236,6 +236,16 @@ _split = contextvars.ContextVar("sweet_jax_cpu_matmul_split_activations", defaul
 
 
 @contextlib.contextmanager
+def _set(var: contextvars.ContextVar, value):
+    """`var` set to value within the block (what the traced matmuls read: see split_activations, unembedding)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def split_activations():
     """Within it (the sampler's compiled programs trace under it), a bf16 matmul rounds the weights only: x goes
     in as two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi), stacked into one matmul (the weight is read
@@ -243,11 +253,8 @@ def split_activations():
     weights, is what flips greedy tokens: on SmolLM2-135M, 32 greedy tokens of 64 chat prompts matched the
     float32 sampler on 60 rows with bf16 activations, 63 with bf16-rounded weights and float32 activations
     (BENCHMARKS.md). Forward only (not differentiable)."""
-    token = _split.set(True)
-    try:
+    with _set(_split, True):
         yield
-    finally:
-        _split.reset(token)
 
 
 def contract(x, kernel, contracted: int, backend: str) -> jax.Array:
@@ -265,11 +272,8 @@ _unembedding_mode = contextvars.ContextVar("sweet_jax_cpu_matmul_unembedding", d
 def unembedding(mode: str):
     """Within it, the chunked log-prob functions (losses.py) trace the [D, V] unembedding's matmul under
     model.cpu_matmul=`mode` (steps.sequence_logprobs sets it to its model's): they take no model config."""
-    token = _unembedding_mode.set(mode)
-    try:
+    with _set(_unembedding_mode, mode):
         yield
-    finally:
-        _unembedding_mode.reset(token)
 
 
 def unembedding_backend() -> str | None:

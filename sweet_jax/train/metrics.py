@@ -138,9 +138,8 @@ class WandbWriter:
                  name: str = "", config: dict | None = None):
         run_id = hashlib.sha1(str(logdir.resolve()).encode()).hexdigest()[:16]
         self._run = lazy.wandb().init(  # ImportError: the caller says so and goes on without W&B
-            project=project or "sweet_jax", mode=mode or "offline", group=group or None,
-                               name=name or logdir.name, id=run_id, resume="allow", dir=str(logdir),
-                               config=config or {}, reinit=True)
+            project=project or "sweet_jax", mode=mode or "offline", group=group or None, name=name or logdir.name,
+            id=run_id, resume="allow", dir=str(logdir), config=config or {}, reinit=True)
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         self._run.log({f"{split}/{k}": v for k, v in scalars.items()}, step=step)

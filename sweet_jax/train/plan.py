@@ -265,9 +265,9 @@ def make_plan(config, topology: Topology, *, verbose: bool = True, num_layers: i
                                   + (f" {mcfg.attention_chunk_size}" if attention == "chunked" else "")]
                                  + (["SP"] if setting(config, "model.sequence_parallel") else [])
                                  + ([f"LoRA r{lora.rank}"] if lora.enabled else [])
-                                 + (["bf16 moments"] if config.optim.get("moments_dtype") == "bfloat16" else [])
+                                 + (["bf16 moments"] if setting(config, "optim.moments_dtype") == "bfloat16" else [])
                                  + (["opt state on host"] if setting(config, "optim.offload_state") else [])
-                                 + (["layerwise update"] if config.optim.get("layerwise_update") else [])))
+                                 + (["layerwise update"] if setting(config, "optim.layerwise_update") else [])))
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the TPU compiler refuses programs that exceed HBM
