@@ -6,6 +6,8 @@ matmuls and with each rounding, the rows whose greedy tokens equal the float32 o
 Variants (each in its own process, one generate call over every prompt at once):
   float32             cpu_matmul=xla: the reference
   bf16_split          cpu_matmul=xla_bf16 as the sampler runs it: bf16 weights, activations as two bf16 halves
+  bf16_split_decode   as bf16_split in the decode steps, bf16 activations in the prefill
+  onednn_split        as bf16_split on the oneDNN kernel
   bf16                bf16 weights and bf16 activations (the split turned off)
   bf16_f32_unembed    as bf16, but the unembedding in float32
   bf16_weights_only   float32 matmuls on weights rounded to bf16 (what the split approximates)
@@ -19,7 +21,7 @@ import pathlib
 import subprocess
 import sys
 
-VARIANTS = ("float32", "bf16_split", "bf16", "bf16_f32_unembed", "bf16_weights_only")
+VARIANTS = ("float32", "bf16_split", "bf16_split_decode", "onednn_split", "bf16", "bf16_f32_unembed", "bf16_weights_only")
 
 
 def child(args) -> None:
@@ -32,7 +34,9 @@ def child(args) -> None:
     from sweet_jax.sampling import generate
 
     variant = args._child
-    matmul = "xla" if variant in ("float32", "bf16_weights_only") else "xla_bf16"
+    matmul = {"float32": "xla", "bf16_weights_only": "xla", "onednn_split": "onednn"}.get(variant, "xla_bf16")
+    if variant == "bf16_split_decode":
+        generate._prefill = generate._prefill.__wrapped__  # the prefill traced without the split
     if variant in ("bf16", "bf16_f32_unembed"):
         cpu_matmul.split_activations = contextlib.nullcontext  # read when the sampler's programs are traced
     if variant == "bf16_f32_unembed":

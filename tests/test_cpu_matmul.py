@@ -194,9 +194,18 @@ def test_auto_on_amx_uses_onednn(monkeypatch, fresh_choice):
     assert cpu_matmul.bf16_backend("auto") == "onednn"
 
 
-def test_auto_on_avx512_bf16_without_amx_uses_xla_bf16(monkeypatch, fresh_choice):
+@needs_onednn
+def test_auto_on_avx512_bf16_without_amx_uses_onednn(monkeypatch, fresh_choice):
     fake_machine(monkeypatch, ("avx512_bf16",))
-    assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+    assert cpu_matmul.bf16_backend("auto") == "onednn"
+
+
+def test_auto_on_avx512_bf16_without_a_compiler_uses_xla_bf16(monkeypatch, caplog, fresh_choice):
+    fake_machine(monkeypatch, ("avx512_bf16",), compiler=False)
+    with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "avx512_bf16" in lines[0] and "compiler" in lines[0], lines
 
 
 def test_auto_keeps_today_s_float32_path_where_the_processor_has_no_bf16_units(monkeypatch, fresh_choice):

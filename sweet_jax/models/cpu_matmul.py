@@ -1,7 +1,10 @@
 """The model's projections as bfloat16 matmuls with float32 accumulation on the CPU's bf16 units.
 
 XLA's CPU backend (jax 0.10) does not run a bfloat16 dot on AMX tiles; oneDNN's matmul does. On AVX512-BF16
-without AMX, XLA's bf16 dot measured as fast as oneDNN's (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to bfloat16 and accumulates and
+without AMX, XLA's bf16 dot matches oneDNN's on a plain [tokens, D] x [D, F] product but takes twice its time on
+the backward's weight gradients (x^T @ dy, a contraction over the 1024 tokens of a micro-batch) and on decode
+shapes (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to bfloat16
+and accumulates and
 returns float32, with a custom VJP whose dx = dy @ w^T and dw = x^T @ dy run the same bf16 kernel (dy rounded
 too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (XLA's dot_general) and "onednn"
 (an XLA FFI custom call into oneDNN, cpu_matmul.cc).
@@ -10,9 +13,8 @@ too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (X
   "xla"       XLA's einsum in the compute dtype (the float32 reference, and today's path);
   "xla_bf16"  bf16 operands on XLA's dot;
   "onednn"    bf16 operands on oneDNN; an error if its kernel cannot run here;
-  "auto"      on a single CPU device with bf16 units: onednn where the processor has AMX (xla_bf16 if the kernel
-              does not build), xla_bf16 with AVX512-BF16 only (as fast as oneDNN there, nothing to build);
-              otherwise (TPU, GPU, several devices, no bf16 units) xla. One log line says which and why.
+  "auto"      on a single CPU device with bf16 units (AMX or AVX512-BF16): onednn (xla_bf16 if its kernel does
+              not build); otherwise (TPU, GPU, several devices, no bf16 units) xla. One log line says which and why.
 The oneDNN kernel is compiled at first use with the C++ compiler ($CXX, else g++ or c++) against oneDNN's
 headers and library (the onednn-devel-cpu-gomp wheel installs them under the environment's prefix; $ONEDNN_ROOT
 names another install) into $XDG_CACHE_HOME/sweet_jax/cpu_matmul (default ~/.cache), keyed by the source,
@@ -171,16 +173,14 @@ def bf16_backend(mode: str) -> str | None:
     if why is not None:
         log.info("model.cpu_matmul=auto: XLA's matmuls in the compute dtype (%s)", why)
         return None
-    flags = cpu_bf16_flags()
-    if "amx_bf16" in flags:  # AMX: XLA's own bf16 dot does not use the tiles, oneDNN does
-        reason = _load()
-        if reason is None:
-            log.info("model.cpu_matmul=auto: projections as bfloat16 matmuls on oneDNN (AMX), float32 accumulation")
-            return "onednn"
-        log.warning("model.cpu_matmul=auto: XLA's bfloat16 dot instead of oneDNN's AMX kernel, because %s", reason)
-        return "xla_bf16"
-    # AVX512-BF16 without AMX: XLA's bf16 dot runs at oneDNN's speed here (BENCHMARKS.md), with nothing to build.
-    log.info("model.cpu_matmul=auto: projections as XLA bfloat16 dots (%s), float32 accumulation", ", ".join(flags))
+    # AMX: XLA's own bf16 dot does not use the tiles, oneDNN does. AVX512-BF16 only: oneDNN's kernel runs the
+    # backward's x^T @ dy and the decode shapes in half XLA's time (a SmolLM2 critic step 1.11x faster).
+    units = ", ".join(cpu_bf16_flags())
+    reason = _load()
+    if reason is None:
+        log.info("model.cpu_matmul=auto: projections as bfloat16 matmuls on oneDNN (%s), float32 accumulation", units)
+        return "onednn"
+    log.warning("model.cpu_matmul=auto: XLA's bfloat16 dot (%s) instead of oneDNN's kernel, because %s", units, reason)
     return "xla_bf16"
 
 

@@ -95,8 +95,8 @@ class LlamaConfig:
     residual_sharding: tuple | None = None
     # The Dense projections' and the unembedding's matmuls (models/cpu_matmul.py): "xla" (the compute dtype),
     # bfloat16 operands with float32 accumulation as "xla_bf16" (XLA's dot) or "onednn" (oneDNN's kernel, which
-    # uses AMX), "auto" (on a single CPU device with bf16 units: onednn with AMX, xla_bf16 with AVX512-BF16 only;
-    # else xla).
+    # uses AMX), "auto" (on a single CPU device with bf16 units, AMX or AVX512-BF16: onednn, xla_bf16 where its
+    # kernel does not build; else xla).
     cpu_matmul: str = "auto"
 
     def __post_init__(self):
