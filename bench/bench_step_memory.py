@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--attn", default="auto", help="attention_impl")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--scan", action="store_true", help="stacked layers under jax.lax.scan (model.scan_layers)")
+    ap.add_argument("--matmul", default="auto", help="model.cpu_matmul: auto | xla | xla_bf16 | onednn")
     ap.add_argument("--steps", type=int, default=1, help="steps to run after compiling (0: compile only)")
     a = ap.parse_args()
     from sweet_jax import host_malloc
@@ -47,7 +48,8 @@ def main():
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
-    model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat, scan_layers=a.scan))
+    model = load_hf(a.model, config_overrides=dict(attention_impl=a.attn, remat=a.remat, scan_layers=a.scan,
+                                                    cpu_matmul=a.matmul))
     config = model.config
     optimizer = make_optimizer(1e-5, 100)
     state = steps.create_train_state(model, optimizer)
@@ -74,7 +76,7 @@ def main():
     mem = compiled.memory_analysis()
     micro = a.micro or steps.auto_micro_batch_size(config, (B, 2, T))
     print(f"{a.step} step, {config.num_params() / 1e6:.1f}M params, {B} pairs x 2 x {T} tokens, micro-batches of "
-          f"{micro} pairs, attention {a.attn}, remat {a.remat}, host allocator {host_malloc.active()}: XLA temps "
+          f"{micro} pairs, attention {a.attn}, remat {a.remat}, cpu_matmul {a.matmul}, host allocator {host_malloc.active()}: XLA temps "
           f"{mem.temp_size_in_bytes / GiB:.2f} GiB, arguments {mem.argument_size_in_bytes / GiB:.2f} GiB "
           f"(compiled in {time.time() - start:.0f} s; peak RSS {peak():.2f} GiB)", flush=True)
     for i in range(a.steps):

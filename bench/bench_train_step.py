@@ -437,8 +437,10 @@ def main():
             print(f"{s.name} / torch tokens/s: {float(np.median(ratios)):.2f}x (per round "
                   f"{', '.join(f'{x:.2f}' for x in ratios)})")
     jmed = float(np.median(j.times))
+    # issue targets: 1.2x PyTorch's bf16 autocast (issue 34), else 2x (a real checkpoint) or 1.5x in float32
+    target = 1.2 if t.spec.get("autocast") == "bf16" else 2.0 if a.model else 1.5
     print(f"\nsweet_jax / torch tokens/s: {float(np.median(per_round)):.2f}x (median of per-round ratios "
-          f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= {2.0 if a.model else 1.5}x); "
+          f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= {target}x); "
           f"MFU {100 * side_flops(j) / jmed / peak_flops:.1f}% (target >= 50%; "
           f"{100 * (side_flops(j) - attn_flops / 2) / jmed / peak_flops:.1f}% counting only the causal half of "
           f"attention)")
