@@ -21,7 +21,8 @@ import pathlib
 import subprocess
 import sys
 
-VARIANTS = ("float32", "bf16_split", "bf16_split_decode", "onednn_split", "bf16", "bf16_f32_unembed", "bf16_weights_only")
+VARIANTS = ("float32", "bf16_split", "bf16_split_decode", "onednn_split", "bf16", "bf16_f32_unembed",
+            "bf16_weights_only")
 
 
 def child(args) -> None:

@@ -76,7 +76,8 @@ def main():
     mem = compiled.memory_analysis()
     micro = a.micro or steps.auto_micro_batch_size(config, (B, 2, T))
     print(f"{a.step} step, {config.num_params() / 1e6:.1f}M params, {B} pairs x 2 x {T} tokens, micro-batches of "
-          f"{micro} pairs, attention {a.attn}, remat {a.remat}, cpu_matmul {a.matmul}, host allocator {host_malloc.active()}: XLA temps "
+          f"{micro} pairs, attention {a.attn}, remat {a.remat}, cpu_matmul {a.matmul}, host allocator "
+          f"{host_malloc.active()}: XLA temps "
           f"{mem.temp_size_in_bytes / GiB:.2f} GiB, arguments {mem.argument_size_in_bytes / GiB:.2f} GiB "
           f"(compiled in {time.time() - start:.0f} s; peak RSS {peak():.2f} GiB)", flush=True)
     for i in range(a.steps):

@@ -177,35 +177,26 @@ def fake_machine(monkeypatch, flags, *, compiler=True):
         monkeypatch.setattr(cpu_matmul, "_compiler", lambda: None)
 
 
-def test_auto_on_amx_without_a_compiler_uses_xla_bf16_and_says_why_in_one_line(monkeypatch, caplog, fresh_choice):
-    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"), compiler=False)
+BF16_UNITS = [pytest.param(("amx_bf16", "avx512_bf16"), id="amx"), pytest.param(("avx512_bf16",), id="avx512_bf16")]
+
+
+@pytest.mark.parametrize("flags", BF16_UNITS)
+def test_auto_without_a_compiler_uses_xla_bf16_and_says_why_in_one_line(monkeypatch, caplog, fresh_choice, flags):
+    fake_machine(monkeypatch, flags, compiler=False)
     with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
         assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
         assert cpu_matmul.bf16_backend("auto") == "xla_bf16"  # decided once per process
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "compiler" in lines[0], lines
+    assert len(lines) == 1 and flags[0] in lines[0] and "compiler" in lines[0], lines
     with pytest.raises(cpu_matmul.CpuMatmulError, match="compiler"):
         cpu_matmul.bf16_backend("onednn")
 
 
 @needs_onednn
-def test_auto_on_amx_uses_onednn(monkeypatch, fresh_choice):
-    fake_machine(monkeypatch, ("amx_bf16", "avx512_bf16"))
+@pytest.mark.parametrize("flags", BF16_UNITS)
+def test_auto_with_bf16_units_uses_onednn(monkeypatch, fresh_choice, flags):
+    fake_machine(monkeypatch, flags)
     assert cpu_matmul.bf16_backend("auto") == "onednn"
-
-
-@needs_onednn
-def test_auto_on_avx512_bf16_without_amx_uses_onednn(monkeypatch, fresh_choice):
-    fake_machine(monkeypatch, ("avx512_bf16",))
-    assert cpu_matmul.bf16_backend("auto") == "onednn"
-
-
-def test_auto_on_avx512_bf16_without_a_compiler_uses_xla_bf16(monkeypatch, caplog, fresh_choice):
-    fake_machine(monkeypatch, ("avx512_bf16",), compiler=False)
-    with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
-        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "avx512_bf16" in lines[0] and "compiler" in lines[0], lines
 
 
 def test_auto_keeps_today_s_float32_path_where_the_processor_has_no_bf16_units(monkeypatch, fresh_choice):

@@ -2,11 +2,10 @@
 
 XLA's CPU backend (jax 0.10) does not run a bfloat16 dot on AMX tiles; oneDNN's matmul does. On AVX512-BF16
 without AMX, XLA's bf16 dot matches oneDNN's on a plain [tokens, D] x [D, F] product but takes twice its time on
-the backward's weight gradients (x^T @ dy, a contraction over the 1024 tokens of a micro-batch) and on decode
-shapes (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to bfloat16
-and accumulates and
-returns float32, with a custom VJP whose dx = dy @ w^T and dw = x^T @ dy run the same bf16 kernel (dy rounded
-too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (XLA's dot_general) and "onednn"
+the backward's weight gradients (x^T @ dy, a contraction over the 1024 tokens of a micro-batch) and is slower on
+decode shapes (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to
+bfloat16 and accumulates and returns float32, with a custom VJP whose dx = dy @ w^T and dw = x^T @ dy run the
+same bf16 kernel (dy rounded too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (XLA's dot_general) and "onednn"
 (an XLA FFI custom call into oneDNN, cpu_matmul.cc).
 
 `model.cpu_matmul` (LlamaConfig.cpu_matmul) picks the path of every Dense projection and the unembedding:
@@ -174,7 +173,7 @@ def bf16_backend(mode: str) -> str | None:
         log.info("model.cpu_matmul=auto: XLA's matmuls in the compute dtype (%s)", why)
         return None
     # AMX: XLA's own bf16 dot does not use the tiles, oneDNN does. AVX512-BF16 only: oneDNN's kernel runs the
-    # backward's x^T @ dy and the decode shapes in half XLA's time (a SmolLM2 critic step 1.11x faster).
+    # backward's x^T @ dy in half XLA's time (idle, SmolLM2: a critic step 1.19x, a DPO step 1.09x faster).
     units = ", ".join(cpu_bf16_flags())
     reason = _load()
     if reason is None:
