@@ -356,6 +356,27 @@ def test_one_time_budget_per_evaluation_ends_a_hang_in_every_case():
         assert ev.score(task, "def f(i):\n    return i\n").reward == 1.0
 
 
+def test_a_module_rerun_cut_short_by_the_budget_times_out_the_remaining_case():
+    """Every case hangs, so the module runs again for each: the re-run for the last case sleeps past
+    the evaluation's budget, which ends it before its own timeout_s. That case is out of time (the
+    budget), not failed by its module, which loaded every time before."""
+    timeout_s, n = 1.0, 4
+    task = {"ground_truth": "def f(i):\n    return i\n", "test_cases": {str(i): f"f({i})" for i in range(n)}}
+    with Evaluator(workers=1, timeout_s=timeout_s) as ev:
+        assert ev.score(task, "def f(i):\n    return i\n").reward == 1.0  # the worker is up
+        # Runs of the module start near 0, 1.5, 3.0 and 4.5 s (0.5 s of module, 1 s of hang); the
+        # budget is (n + 1) * timeout_s = 5 s. A run starting past 4.2 s would outlast it: it sleeps.
+        late = time.time() + n * timeout_s + 0.2
+        answer = (f"import time\ntime.sleep(30 if time.time() > {late!r} else 0.5)\n"
+                  "def f(i):\n    while True:\n        pass\n")
+        score = ev.score(task, answer)
+        assert (score.status, score.reward) == ("ok", 0.0)
+        cases = score.details["cases"]
+        assert [c["outcome"] for c in cases] == ["timeout"] * n, score
+        assert not any("budget" in c["message"] for c in cases[:-1]), score
+        assert "budget" in cases[-1]["message"], score
+
+
 def test_results_too_large_in_total_fail_the_remaining_cases_not_the_sandbox(evaluator):
     task = {"ground_truth": "def f(i):\n    return i\n", "test_cases": {str(i): f"f({i})" for i in range(6)}}
     score = evaluator.score(task, "def f(i):\n    return 'x' * (7 << 20) if i < 5 else i\n")

@@ -524,11 +524,13 @@ class Zygote:
         # its module) use most of timeout_s runs out of budget, and its remaining cases time out.
         budget = time.monotonic() + timeout_s * (len(calls) + 1)
         while start < len(calls):
-            if time.monotonic() >= budget:
+            spent = time.monotonic() >= budget
+            outcome = None if spent else self._run_child(request, start, timeout_s, budget, strict, cases)
+            if spent or outcome == ("budget", None):
                 for i in range(start, len(calls)):
-                    cases[i] = {"s": "timeout", "e": "the evaluation's time budget is spent"}
+                    if cases[i] is None:
+                        cases[i] = {"s": "timeout", "e": "the evaluation's time budget is spent"}
                 break
-            outcome = self._run_child(request, start, timeout_s, budget, strict, cases)
             if outcome is not None and outcome[0] == "module":
                 module = outcome[1]
                 for i in range(start, len(calls)):
@@ -558,6 +560,11 @@ class Zygote:
                 try:
                     message = stream.next_frame(deadline)
                 except TimeoutError:
+                    if deadline == budget:
+                        # The evaluation's budget ran out, not this step's timeout: a re-run of the
+                        # module cut short here has not failed; the remaining cases are out of time.
+                        result = ("budget", None)
+                        break
                     result = self._mark(cases, current, waiting_module, {"s": "timeout"}, "timeout")
                     break
                 except EOFError:
