@@ -13,6 +13,9 @@ Sampler gets max_batch_size = the batch, as the pipeline sizes it), warmed up wi
 calls alternate (--repeats each, best reported). --cpu-matmul sets the sweet_jax side's model.cpu_matmul (auto:
 bf16 matmuls on oneDNN where the CPU has bf16 units, models/cpu_matmul.py); unless it is xla, a third process runs
 our float32 sampler (cpu_matmul=xla) and the table counts the rows whose greedy tokens equal it.
+--system-prompt agent gives every prompt the ColBench agent's rules as its system message (as the pipeline's
+policy prompts: ~150 tokens every row shares); --shared-prefix sets our Sampler's min_shared_prefix (0: the
+common prefix is computed per row, as transformers does).
 
 Rows (--rows, comma-separated; `all` = every CPU row):
   demo      the demo pipeline's policy (configs/pipeline.py:demo: hidden 64, 2 layers, tied, vocab 4096),
@@ -194,12 +197,17 @@ STYLES = ["Write a Python function that {}.", "In Python, implement a function t
           "Write a small, well-named Python function that {}.", "Can you write a Python function that {}?"]
 
 
-def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
-    """n distinct chat-templated requests (8 x 8 combinations, repeated past 64) as token ids."""
+def chat_prompts(model_dir: str, n: int, system_prompt: str = "") -> list[list[int]]:
+    """n distinct chat-templated requests (8 x 8 combinations, repeated past 64) as token ids; system_prompt
+    "agent": each with the ColBench agent's rules as its system message, as the pipeline's policy prompts."""
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     texts = [STYLES[i // len(REQUESTS) % len(STYLES)].format(REQUESTS[i % len(REQUESTS)]) for i in range(n)]
-    return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+    system = []
+    if system_prompt == "agent":
+        from sweet_jax.envs import AGENT_PROMPT
+        system = [{"role": "system", "content": AGENT_PROMPT}]
+    return [list(tok.apply_chat_template(system + [{"role": "user", "content": t}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)) for t in texts]
 
 
@@ -208,7 +216,7 @@ def model_child(args) -> None:
     import json
     import resource
     import numpy as np
-    prompts = chat_prompts(args.model, args._batch)
+    prompts = chat_prompts(args.model, args._batch, args.system_prompt)
     new = args.new_tokens
     if args._child in ("ours", "ours_xla"):
         from sweet_jax.sampling.generate import Sampler
@@ -216,7 +224,7 @@ def model_child(args) -> None:
         matmul = args.cpu_matmul if args._child == "ours" else "xla"
         model = load_hf(args.model, dtype=args.dtype, config_overrides={"dtype": args.dtype, "cpu_matmul": matmul,
                                                                          "attention_impl": args.attention_impl})
-        sampler = Sampler(model, max_batch_size=args._batch)
+        sampler = Sampler(model, max_batch_size=args._batch, min_shared_prefix=args.shared_prefix)
 
         def call():
             out = sampler.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True, seed=0)
@@ -267,7 +275,8 @@ def run_model(args) -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--new-tokens",
                    str(args.new_tokens), "--dtype", args.dtype, "--attention-impl", args.attention_impl,
                    "--cpu-matmul", args.cpu_matmul, "--hf-dtype", args.hf_dtype or args.dtype,
-                   "--torch-threads", str(args.torch_threads), "--_child", side, "--_batch", str(batch)]
+                   "--torch-threads", str(args.torch_threads), "--system-prompt", args.system_prompt,
+                   "--shared-prefix", str(args.shared_prefix), "--_child", side, "--_batch", str(batch)]
             procs[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
         def expect(side, prefix):
@@ -311,7 +320,9 @@ def run_model(args) -> None:
     print(f"\nSampler on {args.model} ({config.num_params() / 1e6:.1f}M params, {args.dtype}, model.cpu_matmul="
           f"{args.cpu_matmul}; transformers in {args.hf_dtype or args.dtype}): sweet_jax Sampler vs "
           f"transformers {transformers.__version__} generate (torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads), greedy, {args.new_tokens} new tokens (eos ignored), chat-templated prompts, best of "
+          f"threads), greedy, {args.new_tokens} new tokens (eos ignored), chat-templated prompts"
+          f"{' with the agent system prompt' if args.system_prompt else ''}, our min_shared_prefix "
+          f"{args.shared_prefix}, best of "
           f"{args.repeats} interleaved calls after a warm-up call each, each side its own process; host cores "
           f"{os.cpu_count()}. Read bandwidth {bandwidth:.1f} GB/s.")
     head = ("| batch | prompt tokens (mean) | sweet_jax tok/s (load) | transformers tok/s (load) | ratio | identical "
@@ -351,6 +362,10 @@ def main() -> None:
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "xla_bf16", "onednn"],
                         help="--model: the sweet_jax side's model.cpu_matmul")
     parser.add_argument("--hf-dtype", default="", help="--model: the transformers side's dtype (default --dtype)")
+    parser.add_argument("--system-prompt", default="", choices=["", "agent"],
+                        help="--model: agent = the ColBench agent's rules as every prompt's system message")
+    parser.add_argument("--shared-prefix", type=int, default=32,
+                        help="--model: our Sampler's min_shared_prefix (a prefix common to the batch runs once; 0 off)")
     parser.add_argument("--_child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_batch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

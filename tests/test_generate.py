@@ -10,7 +10,7 @@ from tiny import load_torch, make_hf_llama
 
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
 from sweet_jax.sampling.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length, decode_windows,
-                                filter_logits, first_argmax, inverse_cdf_draw)
+                                         filter_logits, first_argmax, inverse_cdf_draw, shared_prefix_length)
 from sweet_jax.models import load_hf
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + merges + 6 specials)
@@ -70,6 +70,63 @@ def test_greedy_tokens_identical_to_transformers_generate(tmp_path):
         assert s[0].finish_reason == ("length" if len(e) == 24 else "stop")
 
 
+def prompts_with_a_common_prefix(prefix_len, suffix_lengths, seed):
+    prefix = random_prompts([prefix_len], seed=seed)[0]
+    return [prefix + s for s in random_prompts(suffix_lengths, seed=seed + 1)]
+
+
+def spy_prefill(sampler, calls):
+    """Record each prefill's (shared prefix length, width of the rest) while it runs."""
+    original = sampler._prefill_fn
+
+    def spy(*shape):
+        fn = original(*shape)
+        return lambda graphdef, state, prefix_ids, input_ids, *rest: (
+            calls.append((prefix_ids.shape[1], input_ids.shape[1])),
+            fn(graphdef, state, prefix_ids, input_ids, *rest))[1]
+    sampler._prefill_fn = spy
+
+
+def test_a_shared_prefix_runs_once_with_transformers_greedy_tokens(tmp_path):
+    # A 37-token common prefix: 32 of it run once on one row, each prompt's rest (5 + 2..17 tokens) on its row.
+    hf_dir = make_hf_llama(tmp_path, "llama31", vocab_size=256, seed=3)
+    prompts = prompts_with_a_common_prefix(37, [2, 9, 17, 4], seed=4)
+    expected = hf_greedy(hf_dir, prompts, max_new_tokens=20, pad_id=0)
+    sampler, calls = Sampler(load_hf(hf_dir), min_shared_prefix=32), []
+    spy_prefill(sampler, calls)
+    samples = sampler.generate(prompts, max_new_tokens=20, temperature=0.0)
+    assert calls == [(32, 32)]  # P = 32 + 32 = 64 slots, the 4 rows' prefill 32 wide
+    assert [s[0].token_ids for s in samples] == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefix_gives_the_samples_and_logprobs_of_the_unshared_prefill(hf_dir, tokenizer, temperature):
+    prompts = prompts_with_a_common_prefix(50, [3, 12, 7], seed=6)
+    shared, calls = Sampler(load_hf(hf_dir), tokenizer, min_shared_prefix=16), []
+    spy_prefill(shared, calls)
+    plain = Sampler(load_hf(hf_dir), tokenizer, min_shared_prefix=0)
+    kwargs = dict(max_new_tokens=16, temperature=temperature, n=2, seed=5, ignore_eos=True)
+    got, want = shared.generate(prompts, **kwargs), plain.generate(prompts, **kwargs)
+    assert calls == [(48, 16)]
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    for prompt, g, w in zip(prompts, got, want):
+        for s, t in zip(g, w):
+            np.testing.assert_allclose(s.logprobs, t.logprobs, atol=2e-5)
+            np.testing.assert_allclose(s.logprobs, teacher_forced_logprobs(shared.model, prompt, s.token_ids),
+                                       atol=2e-4)
+
+
+def test_shared_prefix_length_is_the_common_prefix_in_whole_blocks():
+    a, b, c = [1] * 40 + [2], [1] * 40 + [3, 4], [1] * 35 + [5]
+    assert shared_prefix_length([a, b], 32) == 32  # 40 in common, rounded down to 16s
+    assert shared_prefix_length([a, b, c], 32) == 32 and shared_prefix_length([a, b, c], 33) == 0
+    assert shared_prefix_length([a, b], 32, multiple=8) == 40
+    assert shared_prefix_length([a, a, a], 16) == 0  # one distinct prompt: nothing to share
+    assert shared_prefix_length([[1] * 32, [1] * 40], 16) == 16  # each prompt keeps a token of its own
+    assert shared_prefix_length([a, b], 0) == 0  # off
+    assert shared_prefix_length([[7] + a, a], 16) == 0
+
+
 def teacher_forced_logp(model, prompt, completion):
     """[len(completion), V]: log p(. | prompt, completion_<t) from one full forward pass (no cache)."""
     ids = np.asarray([prompt + completion], np.int32)
@@ -102,8 +159,8 @@ def test_n_samples_share_one_prefill_and_differ(sampler):
 
     def spy(*shape):
         fn = original(*shape)
-        return lambda graphdef, state, input_ids, *rest: (prefill_batches.append(input_ids.shape[0]),
-                                                          fn(graphdef, state, input_ids, *rest))[1]
+        return lambda graphdef, state, prefix_ids, input_ids, *rest: (
+            prefill_batches.append(input_ids.shape[0]), fn(graphdef, state, prefix_ids, input_ids, *rest))[1]
 
     sampler._prefill_fn = spy
     try:
@@ -179,12 +236,17 @@ def test_chat_uses_the_chat_template_with_generation_prompt(sampler, tokenizer):
 def test_sharded_mesh_gives_the_same_greedy_tokens(hf_dir, sampler):
     from sweet_jax.sharding import make_mesh
 
-    prompts = random_prompts([3, 8, 5], seed=5)
-    expected = [s[0].token_ids for s in sampler.generate(prompts, max_new_tokens=12, temperature=0.0)]
+    # The last three share a 40-token prefix: their prefix runs once on one (replicated) row.
+    prompts = random_prompts([3, 8, 5], seed=5) + prompts_with_a_common_prefix(40, [1, 6, 3], seed=8)
     mesh = make_mesh((2, 2, 2))  # rows over data x fsdp, heads over tensor
-    sharded = Sampler(load_hf(hf_dir, mesh=mesh), sampler.tokenizer, mesh=mesh)
-    got = [s[0].token_ids for s in sharded.generate(prompts, max_new_tokens=12, temperature=0.0)]
-    assert got == expected
+    sharded = Sampler(load_hf(hf_dir, mesh=mesh), sampler.tokenizer, mesh=mesh, min_shared_prefix=32)
+    calls = []
+    spy_prefill(sharded, calls)
+    for batch in (prompts[:3], prompts[3:]):
+        expected = [s[0].token_ids for s in sampler.generate(batch, max_new_tokens=12, temperature=0.0)]
+        got = [s[0].token_ids for s in sharded.generate(batch, max_new_tokens=12, temperature=0.0)]
+        assert got == expected
+    assert calls == [(0, 16), (32, 16)]
     kernel = sharded.model.layers[0].attn.q_proj.kernel[...]
     assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec != jax.sharding.PartitionSpec()
 

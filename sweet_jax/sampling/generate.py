@@ -5,11 +5,14 @@
     samples[0][2].text, .token_ids, .logprobs, .finish_reason
 
 How a batch runs:
-1. Prompts are tokenized and left-padded to a bucketed length P (few distinct shapes, few compiles).
+1. Prompts are tokenized. A prefix common to all of them (S tokens, a multiple of 16: the system prompt, an
+   agent's rules; shared_prefix_length) is set apart; the rest of each prompt is left-padded to a bucketed
+   length W (few distinct shapes, few compiles). The prompt width is P = S + W.
 2. Prefill (jit): the prompts fill a fresh heads-major cache (keys [B, kv_heads, head_dim, slots], values
-   [B, kv_heads, slots, head_dim]; Llama.init_cache) sized to the first decode window; the logits of each
-   prompt's last token are kept. The prompt rows are then gathered into sample rows (n per prompt), so n
-   samples of one prompt share its prefill.
+   [B, kv_heads, slots, head_dim]; Llama.init_cache) of P slots: the shared prefix runs once, on one row, and
+   its K/V are copied to every row; the rest runs on all rows, attending to it. The logits of each prompt's
+   last token are kept. The prompt rows are then gathered into sample rows (n per prompt), so n samples of
+   one prompt share its prefill.
 3. Decode (jit, `lax.while_loop`, the cache donated and updated in place): sample a token from the current
    logits, record its log-prob, stop the row on a stop token id or its max_new_tokens, run the model on the
    new token. The loop leaves as soon as every row is done. The new tokens' slots are cut into up to 4
@@ -113,6 +116,20 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     if n <= 1024:
         return 1 << (n - 1).bit_length()
     return -(-n // 1024) * 1024
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]], minimum: int, multiple: int = 16) -> int:
+    """Tokens every prompt of a batch starts with, computed once by the prefill (a system prompt, an agent's
+    rules): the common prefix rounded down to a multiple of `multiple` (few distinct prompt widths, few
+    compiles), leaving each prompt at least one token of its own; 0 (no sharing) below `minimum` tokens, for a
+    batch of one distinct prompt (nothing to share), or when minimum <= 0."""
+    if minimum <= 0 or len({tuple(p) for p in prompts}) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    for other in prompts[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], other[:n])) if a != b), n)
+    n -= n % multiple
+    return n if n >= minimum else 0
 
 
 def decode_windows(prompt_width: int, new_width: int, *, min_window: int = 64, max_windows: int = 4) -> list[int]:
@@ -275,24 +292,38 @@ def _split_activations(program):
 
 
 @_split_activations
-def _prefill(graphdef, state, input_ids_BP, prompt_mask_BP, sample_row_N, *, max_len: int, width: int, mesh):
+def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sample_row_N, *, max_len: int,
+             width: int, mesh):
     """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
-    prompt rows into sample rows (prefill shared by n samples)."""
+    prompt rows into sample rows (prefill shared by n samples).
+
+    A prefix common to every prompt of the batch (prefix_ids [1, S], S may be 0) runs once, on one row, and its
+    K/V are copied to every row's slots [0, S); the rest of each prompt (input_ids [B, W], left-padded) then
+    runs at slots [S, S + W), attending to the prefix. Prompt width P = S + W."""
     model = nnx.merge(graphdef, state)
-    B, P = input_ids_BP.shape
+    S = prefix_ids_1S.shape[1]
+    B, W = input_ids_BW.shape
     N = sample_row_N.shape[0]
-    cache = _constrain_batch(model.init_cache(B, width), mesh, B)
     # Slots past the prompt are marked valid up front: causality (slot <= cache_pos + i) hides them until
     # they are written, so the same mask serves prefill and every decode step.
-    cache_mask_BL = jnp.concatenate(
-        [prompt_mask_BP, jnp.ones((B, max_len - P), prompt_mask_BP.dtype)], axis=1)
-    positions_BP = positions_from_mask(prompt_mask_BP)
-    hidden_BPD, cache = model.hidden_states(input_ids_BP, cache_mask_BL[:, :width], positions_BP, cache=cache,
-                                            cache_pos=jnp.int32(0))
-    logits_BV = _last_logits(model, hidden_BPD)  # left padding: column P-1 is every prompt's last token
+    cache_mask_BL = jnp.concatenate([jnp.ones((B, S), prompt_mask_BW.dtype), prompt_mask_BW,
+                                     jnp.ones((B, max_len - S - W), prompt_mask_BW.dtype)], axis=1)
+    if S:
+        cache = model.init_cache(1, width)
+        positions_1S = jnp.arange(S, dtype=jnp.int32)[None]
+        _, cache = model.hidden_states(prefix_ids_1S, cache_mask_BL[:1, :width], positions_1S, cache=cache,
+                                       cache_pos=jnp.int32(0))
+        cache = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (B,) + x.shape[1:]), cache)
+        cache = _constrain_batch(cache, mesh, B)
+    else:
+        cache = _constrain_batch(model.init_cache(B, width), mesh, B)
+    positions_BW = S + positions_from_mask(prompt_mask_BW)
+    hidden_BWD, cache = model.hidden_states(input_ids_BW, cache_mask_BL[:, :width], positions_BW, cache=cache,
+                                            cache_pos=jnp.int32(S))
+    logits_BV = _last_logits(model, hidden_BWD)  # left padding: column W-1 is every prompt's last token
     take = lambda x: x[sample_row_N] if hasattr(x, "ndim") and x.ndim and x.shape[0] == B else x
     cache = _constrain_batch(jax.tree_util.tree_map(take, cache), mesh, N)
-    prompt_len_N = jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32)[sample_row_N]
+    prompt_len_N = (S + jnp.sum(prompt_mask_BW, axis=1).astype(jnp.int32))[sample_row_N]
     return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
 
 
@@ -358,10 +389,13 @@ class Sampler(BaseSampler):
     mesh:       optional jax Mesh ('data', 'fsdp', 'tensor'): params are sharded by sweet_jax.sharding's
                 rules, sample rows over ('data', 'fsdp')
     max_batch_size: most sample rows decoded together; bigger calls are split into several batches
+    min_shared_prefix: a prefix of at least this many tokens common to a batch's prompts runs once in the
+                prefill (shared_prefix_length); 0 turns the sharing off
     """
 
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
-                 stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None):
+                 stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None,
+                 min_shared_prefix: int = 32):
         if tokenizer is not None:
             check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
@@ -375,6 +409,7 @@ class Sampler(BaseSampler):
         self.config = model.config
         self.max_batch_size = max_batch_size
         self.stop_check_every = stop_check_every
+        self.min_shared_prefix = min_shared_prefix
         self._seeds = np.random.default_rng(seed)
         self._batch_shards = 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])  # 'batch' axes
         self.eos_token_ids = tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else \
@@ -561,19 +596,22 @@ class Sampler(BaseSampler):
 
     def _generate_batch(self, requests: Sequence[Request]) -> list[list[Sample]]:
         B = bucket_rows(len(requests), self._batch_shards)
-        P = bucket_length(max(len(r.prompt_ids) for r in requests))
+        S = shared_prefix_length([r.prompt_ids for r in requests], self.min_shared_prefix)
+        W = bucket_length(max(len(r.prompt_ids) for r in requests) - S)
+        P = S + W
         n_rows = sum(r.params.n for r in requests)
         N = bucket_rows(n_rows, self._batch_shards)
         max_new = max(r.params.max_new_tokens for r in requests)
         T = bucket_length(max_new)
         L = P + T
 
-        input_ids = np.full((B, P), self.pad_id, np.int32)
-        prompt_mask = np.zeros((B, P), np.int32)
+        prefix_ids = np.asarray(requests[0].prompt_ids[:S], np.int32)[None]
+        input_ids = np.full((B, W), self.pad_id, np.int32)
+        prompt_mask = np.zeros((B, W), np.int32)
         for b in range(B):  # padding rows repeat the first prompt: an all-padding row would attend nothing
-            ids = requests[b if b < len(requests) else 0].prompt_ids
-            input_ids[b, P - len(ids):] = ids
-            prompt_mask[b, P - len(ids):] = 1
+            ids = requests[b if b < len(requests) else 0].prompt_ids[S:]
+            input_ids[b, W - len(ids):] = ids
+            prompt_mask[b, W - len(ids):] = 1
 
         stop_sets = [self._stop_ids(r.params) for r in requests]
         S = max(4, 1 << (max(len(s) for s in stop_sets) - 1).bit_length()) if any(stop_sets) else 4
@@ -606,7 +644,7 @@ class Sampler(BaseSampler):
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
         cache, logits, prompt_len, cache_mask = self._prefill_fn(L, P)(
-            graphdef, state, put(input_ids), put(prompt_mask), put(sample_row))
+            graphdef, state, jnp.asarray(prefix_ids), put(input_ids), put(prompt_mask), put(sample_row))
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
                     keys=put(keys))
