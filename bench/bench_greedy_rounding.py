@@ -11,6 +11,10 @@ Variants (each in its own process, one generate call over every prompt at once):
   bf16                bf16 weights and bf16 activations (the split turned off)
   bf16_f32_unembed    as bf16, but the unembedding in float32
   bf16_weights_only   float32 matmuls on weights rounded to bf16 (what the split approximates)
+  split_attention     the split in the attention projections and the unembedding only, bf16 activations
+                      into the MLP (its matmuls are three quarters of a layer's)
+  split_mlp           the split in the MLP only, bf16 activations into the attention projections and the
+                      unembedding
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import subprocess
 import sys
 
 VARIANTS = ("float32", "bf16_split", "bf16_split_decode", "onednn_split", "bf16", "bf16_f32_unembed",
-            "bf16_weights_only")
+            "bf16_weights_only", "split_attention", "split_mlp")
 
 
 def child(args) -> None:
@@ -46,6 +50,19 @@ def child(args) -> None:
         generate._last_logits = lambda model, hidden, parts=None: jnp.concatenate(
             [hidden[:, -1].astype(jnp.float32) @ u.astype(jnp.float32)
              for u in (parts if parts is not None else [model.unembedding()])], axis=-1)
+    if variant in ("split_attention", "split_mlp"):
+        from sweet_jax.models import llama
+
+        def unsplit(call):
+            def traced(*a, **k):
+                with cpu_matmul._set(cpu_matmul._split, False):
+                    return call(*a, **k)
+            return traced
+        if variant == "split_attention":
+            llama.MLP.__call__ = unsplit(llama.MLP.__call__)
+        else:
+            llama.Attention.__call__ = unsplit(llama.Attention.__call__)
+            generate._last_logits = unsplit(generate._last_logits)
     model = load_hf(args.model, config_overrides={"cpu_matmul": matmul})
     if variant == "bf16_weights_only":
         graphdef, state = nnx.split(model)

@@ -29,8 +29,9 @@ Variant specs are comma-separated key=value pairs:
          xla_flags='--xla_...'  matmul=auto|xla|xla_bf16|onednn (model.cpu_matmul: the projections as bfloat16 matmuls on
          oneDNN, float32 accumulation and master weights; models/cpu_matmul.py)
   both:  malloc=tcmalloc|hugepages|system: the host allocator the child process starts with (sweet_jax.host_malloc;
-         tcmalloc is what sweet_jax's command lines set up for themselves, so it is the sweet_jax side's default;
-         the PyTorch side defaults to the system allocator, as the official code runs)
+         the sweet_jax side defaults to tcmalloc, the fastest steps (SWEET_JAX_MALLOC=tcmalloc; the command lines'
+         default is hugepages, which holds less memory); the PyTorch side defaults to the system allocator, as
+         the official code runs)
   torch: attn=sdpa|eager  adamw=fused|foreach|loop  threads=0 (0: torch's default, = cores)
          autocast=none|bf16 (bf16: forward under torch.autocast("cpu", torch.bfloat16), float32 master weights)
          micro=auto|0|N (pairs per forward/backward, gradients accumulated; auto: the sweet_jax side's micro-batch,

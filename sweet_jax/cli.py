@@ -430,7 +430,7 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
     quiet_environment()
     compile_cache_environment()
     if allocator:
-        host_malloc.reexec_with_allocator()  # before jax starts: tcmalloc reuses XLA's per-step host buffers
+        host_malloc.reexec_with_allocator()  # before jax starts: huge pages or tcmalloc for XLA's per-step host buffers
     module_name = module_name or _calling_module()
     if define_flags is None:
         setup_logging()

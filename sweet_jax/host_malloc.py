@@ -1,24 +1,28 @@
-"""The host allocator for the command lines: tcmalloc, so XLA's per-step host buffers are reused, not refaulted.
+"""The host allocator for the command lines: XLA's per-step host buffers without a page fault per 4 KiB page.
 
 XLA:CPU allocates the temporaries of every execution as one block (1.5 GiB for the critic step of the 58M bench
-model) with posix_memalign and frees it when the step ends. glibc serves a block that large from a worker
-thread's arena with mmap and gives it back with munmap, so every step first-touches fresh 4 KiB pages: ~400,000
-page faults and 0.8-4 s of kernel time a step on a 2-core machine, a third of the step and most of its
-run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command lines
-re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
+model, 3.4 GiB for SmolLM2's with bf16 matmuls) with posix_memalign and frees it when the step ends. glibc
+serves a block that large with mmap and gives it back with munmap, so every step first-touches fresh 4 KiB
+pages: ~400,000 page faults and 0.8-4 s of kernel time a step on a 2-core machine, a third of the bench step and
+most of its run-to-run spread (BENCHMARKS.md). The allocator is chosen when the process starts, so the command
+lines re-execute themselves once with the environment set, before jax is imported. SWEET_JAX_MALLOC picks it:
 
-  (unset)    tcmalloc on a host that computes on its CPU; the system allocator where a TPU or a GPU is
-             present or JAX_PLATFORMS names no cpu (there the step's temporaries live in device memory, and
-             tcmalloc under libtpu / CUDA is not what was measured).
-  tcmalloc   LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks are kept and
-             reused, no page faults after the first step.
+  (unset)    on a host that computes on its CPU: hugepages where glibc and the kernel allow it, else tcmalloc
+             where installed, else the system allocator; the system allocator where a TPU or a GPU is present
+             or JAX_PLATFORMS names no cpu (there the step's temporaries live in device memory).
   hugepages  GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc asks for transparent huge pages on its mmap'd blocks
-             (glibc >= 2.35, THP `always` or `madvise`): 300x fewer faults, but each step still gets fresh pages,
-             and finding 2 MiB pages costs kernel time when memory is fragmented.
+             (glibc >= 2.35, THP `always` or `madvise`): ~500x fewer faults, and each block still goes back to
+             the kernel when freed, so the process holds what the system allocator holds (SmolLM2's critic
+             stage with bf16 matmuls: 5.94 GiB peak against 9.05 under tcmalloc; steps 1.07x faster than the
+             system allocator's, tcmalloc's 1.17x; BENCHMARKS.md "Host allocator").
+  tcmalloc   LD_PRELOAD of libtcmalloc_minimal (Debian/Ubuntu: libtcmalloc-minimal4): freed blocks are kept and
+             reused, no page faults after the first step: the fastest steps, but the kept blocks fragment (the
+             step's outputs land in a freed block, the next block needs fresh memory): ~1.5x the peak memory
+             of the other modes.
   system     leave the allocator alone.
 
 Where the mode cannot apply (tcmalloc not installed, no THP, glibc too old) the process goes on with the system
-allocator and says so once.
+allocator and says so once (the automatic choice falls back quietly).
 """
 from __future__ import annotations
 
@@ -102,6 +106,18 @@ def allocator_env_here(mode: str, environ: dict[str, str]) -> tuple[dict[str, st
                          tcmalloc=ctypes.util.find_library("tcmalloc_minimal"))
 
 
+def default_mode(environ: dict[str, str], dev: str = "/") -> tuple[str, dict[str, str], str | None]:
+    """(mode, its environment changes, why not) of the automatic choice: on a CPU host the first of hugepages
+    and tcmalloc that applies here, else system; on an accelerator host system."""
+    if not computes_on_cpu(environ, dev):
+        return "system", {}, None
+    for mode in ("hugepages", "tcmalloc"):
+        changes, problem = allocator_env_here(mode, environ)
+        if problem is None:
+            return mode, changes, None
+    return "system", {}, problem
+
+
 def active() -> str:
     """The allocator this process started with, for the logs."""
     mode = os.environ.get(DONE_VAR)
@@ -109,6 +125,8 @@ def active() -> str:
         return f"{mode} ({MODE_VAR}=system to turn off)"
     if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return "tcmalloc (LD_PRELOAD)"
+    if HUGETLB_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        return "hugepages (GLIBC_TUNABLES)"
     return "system"
 
 
@@ -119,10 +137,9 @@ def reexec_with_allocator() -> None:
     library code (it replaces the process)."""
     if os.environ.get(DONE_VAR) or not sys.platform.startswith("linux"):  # LD_PRELOAD and glibc: Linux only
         return
-    asked = os.environ.get(MODE_VAR)
-    mode = asked or ("tcmalloc" if computes_on_cpu(dict(os.environ)) else "system")
+    asked, environ = os.environ.get(MODE_VAR), dict(os.environ)
     try:
-        changes, problem = allocator_env_here(mode, dict(os.environ))
+        mode, changes, problem = (asked, *allocator_env_here(asked, environ)) if asked else default_mode(environ)
     except ValueError as e:  # an unknown mode: one line, not a traceback
         sys.exit(f"error: {e}")
     if problem and asked:  # the automatic choice falls back quietly (the training log names the allocator)

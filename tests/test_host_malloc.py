@@ -98,25 +98,52 @@ def run_child(tmp_path, mode=None):
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-def test_by_default_the_command_line_reexecutes_once_under_tcmalloc_and_reuses_freed_blocks(tmp_path):
+def hugepages_supported() -> bool:
+    return (host_malloc.glibc_version() or (0, 0)) >= (2, 35) and host_malloc.thp_mode() in ("always", "madvise")
+
+
+def test_by_default_the_command_line_reexecutes_once_under_huge_pages_or_tcmalloc_and_faults_far_less(tmp_path):
     system, _ = run_child(tmp_path, "system")
     default, log = run_child(tmp_path)
     assert system["applied"] is None and system["faults"] >= 60_000  # every 4 KiB page of the 256 MiB, again
     assert default["argv"] == ["--config", "x.py:demo"]
-    if ctypes.util.find_library("tcmalloc_minimal"):
+    if hugepages_supported():  # glibc's huge pages first: freed blocks go back to the kernel
+        assert default["applied"] == "hugepages" and "glibc.malloc.hugetlb=1" in default["tunables"]
+        assert default["faults"] < system["faults"] / 4 and "tcmalloc" not in default["preload"]
+    elif ctypes.util.find_library("tcmalloc_minimal"):
         assert default["applied"] == "tcmalloc" and "tcmalloc" in default["preload"]
         assert default["faults"] < 1_000
-    else:  # not installed here: the system allocator, quietly; asked for by name, the package is named
-        assert default["applied"] is None and "tcmalloc" not in log
-        forced, log = run_child(tmp_path, "tcmalloc")
+    else:  # neither here: the system allocator, quietly
+        assert default["applied"] is None and not log
+
+
+def test_the_default_is_hugepages_then_tcmalloc_then_system_on_cpu_hosts(monkeypatch, tmp_path):
+    answers = {}
+    monkeypatch.setattr(host_malloc, "allocator_env_here", lambda mode, environ: answers[mode])
+    answers.update(hugepages=({"GLIBC_TUNABLES": "t"}, None), tcmalloc=({"LD_PRELOAD": "p"}, None))
+    assert host_malloc.default_mode({}, dev=tmp_path) == ("hugepages", {"GLIBC_TUNABLES": "t"}, None)
+    answers["hugepages"] = ({}, "transparent huge pages are never on this kernel: system allocator")
+    assert host_malloc.default_mode({}, dev=tmp_path) == ("tcmalloc", {"LD_PRELOAD": "p"}, None)
+    answers["tcmalloc"] = ({}, "tcmalloc not found (apt-get install libtcmalloc-minimal4): system allocator")
+    assert host_malloc.default_mode({}, dev=tmp_path) == ("system", {}, answers["tcmalloc"][1])
+    (tmp_path / "dev" / "vfio").mkdir(parents=True)
+    (tmp_path / "dev" / "vfio" / "0").touch()  # a TPU chip: the system allocator, whatever applies
+    assert host_malloc.default_mode({}, dev=tmp_path) == ("system", {}, None)
+
+
+def test_tcmalloc_on_request_reexecutes_under_it_and_reuses_freed_blocks(tmp_path):
+    forced, log = run_child(tmp_path, "tcmalloc")
+    if ctypes.util.find_library("tcmalloc_minimal"):
+        assert forced["applied"] == "tcmalloc" and "tcmalloc" in forced["preload"]
+        assert forced["faults"] < 1_000
+    else:  # asked for by name where it is not installed: the package is named
         assert forced["applied"] is None and "apt-get install libtcmalloc-minimal4" in log
 
 
 def test_hugepages_mode_reexecutes_with_the_tunable_and_faults_far_less(tmp_path):
     system, _ = run_child(tmp_path, "system")
     huge, log = run_child(tmp_path, "hugepages")
-    supported = (host_malloc.glibc_version() or (0, 0)) >= (2, 35) and host_malloc.thp_mode() in ("always", "madvise")
-    if supported:
+    if hugepages_supported():
         assert huge["applied"] == "hugepages" and "glibc.malloc.hugetlb=1" in huge["tunables"]
         assert huge["faults"] < system["faults"] / 4
     else:  # this machine cannot: the process goes on with the system allocator and says why

@@ -185,12 +185,15 @@ def test_the_mfu_peak_is_measured_once_per_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_command_line_runs_under_tcmalloc_where_installed(straight_run):
+def test_the_command_line_runs_under_the_default_host_allocator_and_names_it(straight_run):
     """It re-executes itself once before jax starts (sweet_jax.host_malloc), and the log names the allocator."""
-    import ctypes.util
+    import os
+    from sweet_jax import host_malloc
     log = (straight_run / "stderr.txt").read_text()
-    if ctypes.util.find_library("tcmalloc_minimal"):
-        assert "host allocator: tcmalloc (SWEET_JAX_MALLOC=system to turn off)" in log
+    environ = {k: v for k, v in os.environ.items() if k not in (host_malloc.MODE_VAR, host_malloc.DONE_VAR)}
+    mode, changes, _ = host_malloc.default_mode(environ)
+    if changes:
+        assert f"host allocator: {mode} (SWEET_JAX_MALLOC=system to turn off)" in log
     else:
         assert "host allocator: system" in log  # the automatic choice falls back without a warning
 

@@ -26,7 +26,7 @@ import sys
 
 from sweet_jax import cli, host_malloc
 
-# Commands that compute: re-executed with the host allocator first (tcmalloc reuses XLA's per-step host buffers).
+# Commands that compute: re-executed with the host allocator first (huge pages or tcmalloc: XLA's step buffers).
 COMPUTE = ("train", "export", "rollout", "rank", "serve", "pipeline")
 
 
