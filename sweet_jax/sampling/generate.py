@@ -644,7 +644,7 @@ class Sampler(BaseSampler):
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
         cache, logits, prompt_len, cache_mask = self._prefill_fn(L, P)(
-            graphdef, state, jnp.asarray(prefix_ids), put(input_ids), put(prompt_mask), put(sample_row))
+            graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask), put(sample_row))
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
                     keys=put(keys))
@@ -737,10 +737,13 @@ class Sampler(BaseSampler):
                 donate_argnums=(2,))
         return self._decode_fns[prompt_width, width]
 
-    def _put(self, x: np.ndarray) -> jax.Array:
+    def _put(self, x: np.ndarray, *, replicated: bool = False) -> jax.Array:
+        """x on the mesh: rows over the batch axes, or (replicated) whole on every device."""
         if self.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
+        sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if replicated else \
+            batch_sharding(self.mesh, x.ndim)
+        return jax.device_put(x, sharding)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = set(params.stop_token_ids)
