@@ -5,8 +5,8 @@ without AMX, XLA's bf16 dot matches oneDNN's on a plain [tokens, D] x [D, F] pro
 the backward's weight gradients (x^T @ dy, a contraction over the 1024 tokens of a micro-batch) and is slower on
 decode shapes (BENCHMARKS.md, "bfloat16 matmuls on the CPU"). `matmul(x, w, backend)` rounds the operands to
 bfloat16 and accumulates and returns float32, with a custom VJP whose dx = dy @ w^T and dw = x^T @ dy run the
-same bf16 kernel (dy rounded too; dw returned in float32 for float32 master weights). Backends: "xla_bf16" (XLA's dot_general) and "onednn"
-(an XLA FFI custom call into oneDNN, cpu_matmul.cc).
+same bf16 kernel (dy rounded too; dw returned in float32 for float32 master weights). Backends: "xla_bf16"
+(XLA's dot_general) and "onednn" (an XLA FFI custom call into oneDNN, cpu_matmul.cc).
 
 `model.cpu_matmul` (LlamaConfig.cpu_matmul) picks the path of every Dense projection and the unembedding:
   "xla"       XLA's einsum in the compute dtype (the float32 reference, and today's path);
