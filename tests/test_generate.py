@@ -76,13 +76,14 @@ def prompts_with_a_common_prefix(prefix_len, suffix_lengths, seed):
 
 
 def spy_prefill(sampler, calls):
-    """Record each prefill's (shared prefix length, width of the rest) while it runs."""
+    """Record each prefill's (shared prefix length, prompt rows, width of the rest) while it runs; `del
+    sampler._prefill_fn` undoes it."""
     original = sampler._prefill_fn
 
     def spy(*shape):
         fn = original(*shape)
         return lambda graphdef, state, prefix_ids, input_ids, *rest: (
-            calls.append((prefix_ids.shape[1], input_ids.shape[1])),
+            calls.append((prefix_ids.shape[1], *input_ids.shape)),
             fn(graphdef, state, prefix_ids, input_ids, *rest))[1]
     sampler._prefill_fn = spy
 
@@ -95,7 +96,7 @@ def test_a_shared_prefix_runs_once_with_transformers_greedy_tokens(tmp_path):
     sampler, calls = Sampler(load_hf(hf_dir), min_shared_prefix=32), []
     spy_prefill(sampler, calls)
     samples = sampler.generate(prompts, max_new_tokens=20, temperature=0.0)
-    assert calls == [(32, 32)]  # P = 32 + 32 = 64 slots, the 4 rows' prefill 32 wide
+    assert calls == [(32, 4, 32)]  # P = 32 + 32 = 64 slots, the 4 rows' prefill 32 wide
     assert [s[0].token_ids for s in samples] == expected
 
 
@@ -107,7 +108,7 @@ def test_shared_prefix_gives_the_samples_and_logprobs_of_the_unshared_prefill(hf
     plain = Sampler(load_hf(hf_dir), tokenizer, min_shared_prefix=0)
     kwargs = dict(max_new_tokens=16, temperature=temperature, n=2, seed=5, ignore_eos=True)
     got, want = shared.generate(prompts, **kwargs), plain.generate(prompts, **kwargs)
-    assert calls == [(48, 16)]
+    assert calls == [(48, 4, 16)]
     assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
     for prompt, g, w in zip(prompts, got, want):
         for s, t in zip(g, w):
@@ -154,21 +155,14 @@ def test_sampled_logprobs_equal_teacher_forced_forward(sampler, temperature, top
 
 
 def test_n_samples_share_one_prefill_and_differ(sampler):
-    prefill_batches = []
-    original = sampler._prefill_fn
-
-    def spy(*shape):
-        fn = original(*shape)
-        return lambda graphdef, state, prefix_ids, input_ids, *rest: (
-            prefill_batches.append(input_ids.shape[0]), fn(graphdef, state, prefix_ids, input_ids, *rest))[1]
-
-    sampler._prefill_fn = spy
+    calls = []
+    spy_prefill(sampler, calls)
     try:
         prompts = random_prompts([4, 9], seed=3)
         samples = sampler.generate(prompts, max_new_tokens=12, temperature=1.0, n=4, seed=11, ignore_eos=True)
     finally:
         del sampler._prefill_fn
-    assert prefill_batches == [2]  # two prompt rows, not 2 x 4 sample rows
+    assert [rows for _, rows, _ in calls] == [2]  # two prompt rows, not 2 x 4 sample rows
     for group in samples:
         assert len(group) == 4
         assert len({tuple(s.token_ids) for s in group}) >= 3
@@ -246,7 +240,7 @@ def test_sharded_mesh_gives_the_same_greedy_tokens(hf_dir, sampler):
         expected = [s[0].token_ids for s in sampler.generate(batch, max_new_tokens=12, temperature=0.0)]
         got = [s[0].token_ids for s in sharded.generate(batch, max_new_tokens=12, temperature=0.0)]
         assert got == expected
-    assert calls == [(0, 16), (32, 16)]
+    assert [(S, W) for S, _, W in calls] == [(0, 16), (32, 16)]
     kernel = sharded.model.layers[0].attn.q_proj.kernel[...]
     assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec != jax.sharding.PartitionSpec()
 
