@@ -5,7 +5,8 @@
 
 --from-run: a trainer run directory (its config.json, e.g. a pipeline's critic stage: PIPELINE/critic/train). The
 same config runs again, from scratch into a temporary directory, for --steps steps, once per (matmul, mode), each in
-its own process started as the command lines start (sweet_jax.host_malloc re-executes it under the mode), one after
+its own process started with the mode's allocator settings (bench_train_step.child_env: those of
+sweet_jax.host_malloc, any inherited ones removed; a mode that cannot apply here stops the bench), one after
 another. Reported per run: every train step's seconds (from its metrics.jsonl; the first includes compiling), the
 mean of the steps after the first, and the process's peak RSS (ru_maxrss). Run it on an idle machine: the modes
 differ by a few seconds a step.
@@ -25,9 +26,9 @@ MODES = ("tcmalloc", "hugepages", "system")
 
 
 def child(args) -> None:
-    from sweet_jax import host_malloc
-    host_malloc.reexec_with_allocator()
     import ml_collections
+
+    from sweet_jax import host_malloc
 
     from sweet_jax.train import trainer
     config = ml_collections.ConfigDict(json.loads((pathlib.Path(args.from_run) / "config.json").read_text()))
@@ -49,13 +50,15 @@ def main() -> None:
     args = parser.parse_args()
     if args._out:
         return child(args)
+    from bench_train_step import child_env
+
+    from sweet_jax import host_malloc
     rows = []
     for matmul in args.matmul.split(","):
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 out = pathlib.Path(tmp) / "run"
-                env = {k: v for k, v in os.environ.items() if k != "SWEET_JAX_MALLOC_APPLIED"}
-                env["SWEET_JAX_MALLOC"] = mode
+                env = {**child_env(mode), host_malloc.DONE_VAR: mode}  # host_malloc.active() names it
                 run = subprocess.run([sys.executable, os.path.abspath(__file__), "--from-run", args.from_run,
                                       "--steps", str(args.steps), "--_matmul", matmul, "--_out", str(out)],
                                      env=env, capture_output=True, text=True)
