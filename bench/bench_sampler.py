@@ -32,7 +32,9 @@ After one warm-up call per side (compilation, allocator), timed calls alternate 
 each; best reported) so both see the same background load; the load average is sampled after every timed
 call and the row reports the mean. Greedy rows also count rows with tokens identical to transformers'.
 The roofline line: bytes a decode step must read (weights used per token: every matmul kernel, the
-unembedding, and the attended K/V slots) over the measured read bandwidth of this machine.
+unembedding, and the attended K/V slots) over the measured read bandwidth of this machine. --model rows also
+print a compute floor: the least matmul work of one call (call_matmul_flops) at PyTorch's bf16 matmul rates on
+this processor, measured after the sides exit, against the time a sampler twice as fast as transformers has.
 """
 from __future__ import annotations
 
@@ -111,6 +113,59 @@ def step_bytes(config, batch: int, prompt_len: int, new_tokens: int) -> float:
     itemsize = 2 if c.param_dtype == "bfloat16" else 4
     kv = 2 * c.num_layers * batch * c.num_kv_heads * c.head_dim * (prompt_len + new_tokens / 2) * itemsize
     return matmul * itemsize + kv
+
+
+# Which matmuls take the activations as two bf16 halves (hi + lo rows: twice the rows, twice the work) in each
+# variant of bench_greedy_rounding.py's agreement table: the sampler's full split and the two partial ones.
+SPLITS = {"bf16 activations": (), "split attention + unembedding": ("attention", "unembed"),
+          "full split (the sampler)": ("attention", "mlp", "unembed")}
+
+
+def call_matmul_flops(config, prompts: list[list[int]], new_tokens: int) -> dict[str, dict[str, float]]:
+    """The least matmul FLOPs (2 per multiply-add) one greedy call must do, per phase (prefill, decode) and part
+    (attention projections, mlp, unembed, scores: attention's scores and values): every prompt token once, the
+    prefix the whole batch shares counted once and no padding, then new_tokens - 1 decode steps a row; the
+    unembedding once per produced token; scores over each position's context. Any bf16 sampler does at least
+    this."""
+    c = config
+    D, F, N, K, H, L = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers)
+    per_token = {"attention": 2 * L * (2 * D * N * H + 2 * D * K * H), "mlp": 2 * L * 3 * D * F}
+    unembed, scores = 2 * D * c.vocab_size, 4 * L * N * H  # per produced token; per token and context position
+
+    def context(lo, hi):  # the sum of the context lengths of the tokens at positions [lo, hi)
+        return (hi * (hi + 1) - lo * (lo + 1)) / 2
+
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    prefill_tokens = shared + sum(len(p) - shared for p in prompts)
+    steps = new_tokens - 1
+    phases = {"prefill": (prefill_tokens, len(prompts), context(0, shared) + sum(context(shared, len(p))
+                                                                                  for p in prompts)),
+              "decode": (steps * len(prompts), steps * len(prompts),
+                         sum(context(len(p), len(p) + steps) for p in prompts))}
+    return {phase: {**{part: tokens * f for part, f in per_token.items()}, "unembed": produced * unembed,
+                    "scores": ctx * scores} for phase, (tokens, produced, ctx) in phases.items()}
+
+
+def matmul_floor(flops: dict[str, dict[str, float]], split: tuple[str, ...], rate) -> float:
+    """Seconds of matmul at rate(phase, doubled) GFLOP/s, the parts in split doing twice the work."""
+    return sum(f * (2 if part in split else 1) / rate(phase, part in split) / 1e9
+               for phase, parts in flops.items() for part, f in parts.items())
+
+
+def torch_bf16_gflops(m: int, k: int, n: int) -> float:
+    """PyTorch's bf16 matmul (its oneDNN kernel: this processor's bf16 units) at m x k x n, best of 5 calls (50
+    for a decode step's few rows, whose single calls the scheduler's noise dominates)."""
+    import torch
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(5 if m >= 512 else 50):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best / 1e9
 
 
 def run_row(name: str, row: Row, args) -> dict:
@@ -267,6 +322,9 @@ def run_model(args) -> None:
     import transformers
 
     import torch
+    from sweet_jax.models import LlamaConfig
+    from sweet_jax.models.hf import read_hf_config
+    config = LlamaConfig.from_hf(read_hf_config(args.model))
     bandwidth = read_bandwidth_gbs()
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -308,15 +366,22 @@ def run_model(args) -> None:
                             first_diff=first_diff, ours_rss=final["ours"]["peak_rss"], hf_rss=final["hf"]["peak_rss"],
                             ours_load=sum(loads["ours"]) / len(loads["ours"]), hf_load=sum(loads["hf"]) / len(loads["hf"]),
                             first=(ready["ours"]["first"], ready["hf"]["first"]), prompt_mean=ready["ours"]["prompt_mean"]))
+        # The compute floor, measured once the sides have exited: the least matmul work of this call at this
+        # processor's bf16 matmul rates, against the time 2x transformers allows.
+        prompts = chat_prompts(args.model, batch, args.system_prompt)
+        rates = {rows: torch_bf16_gflops(rows, config.hidden_size, config.intermediate_size)
+                 for rows in (2048, batch, 2 * batch)}
+        flops = call_matmul_flops(config, prompts, args.new_tokens)
+        floors = {name: matmul_floor(flops, split, lambda phase, doubled: rates[
+            2048 if phase == "prefill" else batch * (2 if doubled else 1)]) for name, split in SPLITS.items()}
+        results[-1].update(flops={phase: sum(parts.values()) for phase, parts in flops.items()}, rates=rates,
+                           floors=floors, hf_seconds=best["hf"])
         if "ours_xla" in final:
             results[-1].update(f32=total / best["ours_xla"], same_f32=sum(
                 a == b for a, b in zip(final["ours"]["tokens"], final["ours_xla"]["tokens"])))
         print(f"  batch {batch}: ours {results[-1]['ours']:.0f} tok/s, transformers {results[-1]['hf']:.0f} tok/s",
               file=sys.stderr, flush=True)
 
-    from sweet_jax.models import LlamaConfig
-    from sweet_jax.models.hf import read_hf_config
-    config = LlamaConfig.from_hf(read_hf_config(args.model))
     print(f"\nSampler on {args.model} ({config.num_params() / 1e6:.1f}M params, {args.dtype}, model.cpu_matmul="
           f"{args.cpu_matmul}; transformers in {args.hf_dtype or args.dtype}): sweet_jax Sampler vs "
           f"transformers {transformers.__version__} generate (torch {torch.__version__}, {torch.get_num_threads()} "
@@ -339,6 +404,14 @@ def run_model(args) -> None:
         if "f32" in r:
             print(f"batch {r['batch']}: our float32 sampler (cpu_matmul=xla) {r['f32']:.0f} tok/s; greedy rows equal "
                   f"to it {r['same_f32']}/{r['batch']}; ratio to transformers {r['f32'] / r['hf']:.2f}x")
+    for r in results:
+        budget, b, D, F = r["hf_seconds"] / 2, r["batch"], config.hidden_size, config.intermediate_size
+        floors = ", ".join(f"{name} {sec:.2f} s ({sec / budget:.0%})" for name, sec in r["floors"].items())
+        print(f"batch {b}: compute floor: the least matmul work of one call (common prefix once, no padding) is "
+              f"{r['flops']['prefill'] / 1e9:.0f} GFLOP prefill + {r['flops']['decode'] / 1e9:.0f} decode; at "
+              f"PyTorch's bf16 matmul rates here (GFLOP/s at rows x {D} x {F}: "
+              + ", ".join(f"{rows} rows {rate:.0f}" for rows, rate in r["rates"].items())
+              + f") 2x transformers means a call in {budget:.2f} s, and the matmuls alone take: {floors}")
     for r in results:
         if r["first_diff"]:
             print(f"batch {r['batch']}: differing rows first differ at new-token positions {r['first_diff']}")
