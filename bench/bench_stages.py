@@ -1,5 +1,6 @@
-"""The smollm2 pipeline's stage times with float32 matmuls (model.cpu_matmul = xla) and with bfloat16 ones (auto),
-on the same code, weights, tasks and seed: each stage's wall and CPU seconds from the stage records the pipeline
+"""The smollm2 pipeline's stage times with float32 matmuls (model.cpu_matmul = xla) and with bfloat16 ones (auto;
+its sampler stays float32 on AVX512-BF16 without AMX, models/cpu_matmul.py), on the same code, weights, tasks and
+seed: each stage's wall and CPU seconds from the stage records the pipeline
 keeps (DIR/STAGE/done.json), side by side, with their ratio.
 
     python bench/bench_stages.py --model HF_DIR --out /tmp/stages [--scale 0.25]

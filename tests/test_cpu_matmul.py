@@ -164,10 +164,13 @@ def test_sampler_greedy_tokens_match_the_float32_sampler(backend):
 
 @pytest.fixture
 def fresh_choice():
-    """bf16_backend decides once per process: forget it before and after a test that fakes the machine."""
-    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+    """bf16_backend and sampler_backend decide once per process: forget them before and after a test that fakes
+    the machine."""
+    def forget():
+        cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear(), cpu_matmul.sampler_backend.cache_clear()
+    forget()
     yield
-    cpu_matmul._load.cache_clear(), cpu_matmul.bf16_backend.cache_clear()
+    forget()
 
 
 def fake_machine(monkeypatch, flags, *, compiler=True):
@@ -197,6 +200,35 @@ def test_auto_without_a_compiler_uses_xla_bf16_and_says_why_in_one_line(monkeypa
 def test_auto_with_bf16_units_uses_onednn(monkeypatch, fresh_choice, flags):
     fake_machine(monkeypatch, flags)
     assert cpu_matmul.bf16_backend("auto") == "onednn"
+
+
+@pytest.mark.parametrize("flags", BF16_UNITS)
+def test_auto_samples_in_bf16_only_on_amx_and_says_so_in_one_line(monkeypatch, caplog, fresh_choice, flags):
+    """On AVX512-BF16 without AMX, auto trains in bf16 but samples in float32: the sampler's tokens and log-probs
+    are the float32 model's, bit for bit; on AMX the sampler runs the bf16 matmuls (its log-probs differ)."""
+    fake_machine(monkeypatch, flags, compiler=False)  # xla_bf16: runs on any host
+    fast, ref = model_pair(cpu_matmul="auto", hidden_size=cpu_matmul.AUTO_MIN_HIDDEN, head_dim=64)
+    prompts = [list(np.random.default_rng(i).integers(3, CFG.vocab_size, 5 + i % 4)) for i in range(4)]
+
+    def sample(model):
+        out = generate.Sampler(model, None, max_batch_size=4).generate(prompts, max_new_tokens=6, temperature=1.0,
+                                                                       seed=3, ignore_eos=True)
+        return [list(g[0].token_ids) for g in out], np.array([g[0].logprobs for g in out])
+
+    with caplog.at_level(logging.INFO, logger="sweet_jax.models.cpu_matmul"):
+        tokens, logprobs = sample(fast)
+        assert cpu_matmul.bf16_backend("auto") == "xla_bf16"  # training's choice either way
+    ref_tokens, ref_logprobs = sample(ref)
+    sampler_lines = [r.getMessage() for r in caplog.records if "sampler" in r.getMessage()]
+    if "amx_bf16" in flags:
+        assert cpu_matmul.sampler_backend("auto") == "xla_bf16" and not sampler_lines
+        assert not np.array_equal(logprobs, ref_logprobs)
+    else:
+        assert cpu_matmul.sampler_backend("auto") is None
+        assert len(sampler_lines) == 1 and "float32" in sampler_lines[0], sampler_lines
+        assert tokens == ref_tokens
+        np.testing.assert_array_equal(logprobs, ref_logprobs)
+    assert cpu_matmul.sampler_backend("xla_bf16") == "xla_bf16"  # an explicit mode samples in bf16
 
 
 def test_auto_keeps_today_s_float32_path_where_the_processor_has_no_bf16_units(monkeypatch, fresh_choice):

@@ -14,6 +14,8 @@ same bf16 kernel (dy rounded too; dw returned in float32 for float32 master weig
   "onednn"    bf16 operands on oneDNN; an error if its kernel cannot run here;
   "auto"      on a single CPU device with bf16 units (AMX or AVX512-BF16): onednn (xla_bf16 if its kernel does
               not build); otherwise (TPU, GPU, several devices, no bf16 units) xla. One log line says which and why.
+              The sampler's programs (traced under `sampling()`) keep xla where the units are AVX512-BF16 without
+              AMX: there bf16 sampling, with its split activations, is no faster (sampler_backend).
 The oneDNN kernel is compiled at first use with the C++ compiler ($CXX, else g++ or c++) against oneDNN's
 headers and library (the onednn-devel-cpu-gomp wheel installs them under the environment's prefix; $ONEDNN_ROOT
 names another install) into $XDG_CACHE_HOME/sweet_jax/cpu_matmul (default ~/.cache), keyed by the source,
@@ -183,6 +185,27 @@ def bf16_backend(mode: str) -> str | None:
     return "xla_bf16"
 
 
+@functools.lru_cache(maxsize=None)
+def sampler_backend(mode: str) -> str | None:
+    """Which bfloat16 matmul the sampler's programs run for a model.cpu_matmul=`mode` model: bf16_backend's,
+    except that "auto" samples with XLA's float32 matmuls where the processor's bf16 units are AVX512-BF16
+    without AMX. There bf16 matmuls run at about twice float32's rate, and the sampler's split activations (what
+    keeps its greedy tokens those of float32) double their rows: on SmolLM2-135M bf16 sampling was no faster
+    than float32 in any measurement (BENCHMARKS.md), and float32's tokens are exact. Explicit modes stand."""
+    backend = bf16_backend(mode)
+    if mode == "auto" and backend is not None and "amx_bf16" not in cpu_bf16_flags():
+        log.info("model.cpu_matmul=auto: the sampler keeps XLA's float32 matmuls (AVX512-BF16 without AMX: bf16 "
+                 "sampling is no faster here); model.cpu_matmul=onednn samples in bf16")
+        return None
+    return backend
+
+
+def active_backend(mode: str) -> str | None:
+    """The bfloat16 matmul a projection traced now runs: sampler_backend's within `sampling()`, else
+    bf16_backend's (None: XLA's matmul in the compute dtype)."""
+    return sampler_backend(mode) if _sampling.get() else bf16_backend(mode)
+
+
 def _call(a, b, backend: str, *, transpose_a: bool = False, transpose_b: bool = False):
     """float32 [M, N] = op(a) @ op(b) for 2-D bfloat16 a, b (op = transpose where asked) on `backend`."""
     M, K = a.shape[::-1] if transpose_a else a.shape
@@ -232,6 +255,7 @@ def matmul(x_MK: jax.Array, w_KN: jax.Array, backend: str = "onednn") -> jax.Arr
 
 
 _split = contextvars.ContextVar("sweet_jax_cpu_matmul_split_activations", default=False)
+_sampling = contextvars.ContextVar("sweet_jax_cpu_matmul_sampling", default=False)
 
 
 @contextlib.contextmanager
@@ -256,6 +280,14 @@ def split_activations():
         yield
 
 
+@contextlib.contextmanager
+def sampling():
+    """Within it (the sampler's compiled programs trace under it): the projections take sampler_backend's
+    matmul, and bf16 ones split the activations (split_activations)."""
+    with _set(_sampling, True), split_activations():
+        yield
+
+
 def contract(x, kernel, contracted: int, backend: str) -> jax.Array:
     """float32 x @ kernel over x's trailing and the kernel's leading `contracted` axes (a Dense einsum such as
     'BTNH,NHD->BTD'), flattened to one 2-D matmul on `backend`."""
@@ -276,5 +308,5 @@ def unembedding(mode: str):
 
 
 def unembedding_backend() -> str | None:
-    """The bf16_backend of the unembedding traced now (see `unembedding`)."""
-    return bf16_backend(_unembedding_mode.get())
+    """The active_backend of the unembedding traced now (see `unembedding`)."""
+    return active_backend(_unembedding_mode.get())

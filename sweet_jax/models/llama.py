@@ -387,7 +387,7 @@ class Dense(nnx.Module):
         axis. The same product; in the decode loop XLA:CPU otherwise copies the kernel into another axis order at
         every step, but in the training step the flat form costs TPU memory (+5.4 GiB of temps per chip on the
         v5p-8 8B policy step), so only the sampler's cached path asks for it."""
-        bf16 = self.contracted and cpu_matmul.bf16_backend(self.matmul)
+        bf16 = self.contracted and cpu_matmul.active_backend(self.matmul)
         if bf16:  # the kernel is cast to bfloat16 inside
             y = cpu_matmul.contract(x, self.kernel[...], self.contracted, bf16).astype(self.dtype)
         elif not (flat_contraction and self.contracted > 1):
@@ -500,7 +500,7 @@ class MLP(nnx.Module):
         dense = (self.gate_proj, self.up_proj, self.down_proj)
         if (self.gate_proj.bias is None and jnp.finfo(self.gate_proj.dtype).bits >= 32  # Llama: no MLP bias
                 and all(d.lora_a is None for d in dense)  # LoRA adapters: the plain formula below
-                and not cpu_matmul.bf16_backend(self.gate_proj.matmul)):  # bf16 matmuls: Dense's own
+                and not cpu_matmul.active_backend(self.gate_proj.matmul)):  # bf16 matmuls: Dense's own
             return swiglu(x_BTD, *(d.kernel[...].astype(d.dtype) for d in dense))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
@@ -572,7 +572,7 @@ class Llama(nnx.Module):
         """Logits [B, T, V] float32."""
         hidden_BTD = self.hidden_states(input_ids, attention_mask, positions)
         dtype = self.config.dtype
-        bf16 = cpu_matmul.bf16_backend(self.config.matmul)
+        bf16 = cpu_matmul.active_backend(self.config.matmul)
         if bf16:
             unembed_DV = (self.embedder.embedding[...].T if self.config.tie_word_embeddings
                           else self.lm_head.kernel[...])

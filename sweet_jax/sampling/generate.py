@@ -225,7 +225,7 @@ def _last_logits(model, hidden_BTD: jax.Array, unembed_parts=None) -> jax.Array:
     """float32 logits of each row's last position: [B, V] (never [B, T, V]), from the unembedding or from its
     column blocks (`unembed_parts`, see _split_unembedding)."""
     parts = unembed_parts if unembed_parts is not None else [model.unembedding()]
-    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
+    bf16 = cpu_matmul.active_backend(model.config.matmul)
     if bf16:
         return jnp.concatenate([cpu_matmul.matmul(hidden_BTD[:, -1], u_DV, bf16) for u_DV in parts], axis=-1)
     h_BD = hidden_BTD[:, -1].astype(parts[0].dtype)
@@ -243,7 +243,7 @@ def _split_unembedding(graphdef, state, mesh) -> list[jax.Array]:
     way made the 24M model's step slower: 9.1 -> 10.3-11.6 ms.)"""
     model = nnx.merge(graphdef, state)
     unembed_DV = model.unembedding()
-    bf16 = cpu_matmul.bf16_backend(model.config.matmul)
+    bf16 = cpu_matmul.sampler_backend(model.config.matmul)
     if bf16 == "onednn":  # one block: oneDNN runs it on every core
         return [unembed_DV.astype(jnp.bfloat16)]
     if mesh is not None or jax.default_backend() != "cpu":
@@ -280,18 +280,19 @@ def _constrain_batch(tree, mesh, rows: int):
     return jax.tree_util.tree_map_with_path(constrain, tree)
 
 
-def _split_activations(program):
-    """The program traced under cpu_matmul.split_activations(): with bf16 matmuls (model.cpu_matmul), the
-    sampler rounds the weights to bfloat16 (half the bytes each decode step reads) but not the activations, so
-    that its greedy tokens stay those of the float32 sampler (BENCHMARKS.md)."""
+def _sampler_matmuls(program):
+    """The program traced under cpu_matmul.sampling(): its projections take cpu_matmul.sampler_backend's matmul
+    (float32 under model.cpu_matmul=auto where bf16 sampling does not pay), and with bf16 ones the sampler rounds
+    the weights to bfloat16 (half the bytes each decode step reads) but not the activations, so that its greedy
+    tokens stay those of the float32 sampler (BENCHMARKS.md)."""
     @functools.wraps(program)
     def traced(*args, **kwargs):
-        with cpu_matmul.split_activations():
+        with cpu_matmul.sampling():
             return program(*args, **kwargs)
     return traced
 
 
-@_split_activations
+@_sampler_matmuls
 def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sample_row_N, *, max_len: int,
              width: int, mesh):
     """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
@@ -337,7 +338,7 @@ def _grow_cache(cache, *, width: int, mesh):
     return _constrain_batch(grown, mesh, cache[0]["v_BKSH"].shape[0])
 
 
-@_split_activations
+@_sampler_matmuls
 def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_width: int, width: int, pad_id: int,
             mesh):
     """Run the decode loop from carry['step'] until step_limit or until every row is done, attending over the
@@ -638,7 +639,7 @@ class Sampler(BaseSampler):
         put = self._put
         graphdef, state = nnx.split(self.model)  # each call: params updated in place (training) are seen
         unembed_parts = self._unembed_fn(graphdef, state)
-        if cpu_matmul.bf16_backend(self.model.config.matmul):
+        if cpu_matmul.sampler_backend(self.model.config.matmul):
             state = _bf16_kernels(state)  # once per batch: each decode step reads half the bytes
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
