@@ -135,9 +135,8 @@ def call_matmul_flops(config, prompts: list[list[int]], new_tokens: int) -> dict
     def context(lo, hi):  # the sum of the context lengths of the tokens at positions [lo, hi)
         return (hi * (hi + 1) - lo * (lo + 1)) / 2
 
-    shared = 0
-    while all(len(p) > shared + 1 and p[shared] == prompts[0][shared] for p in prompts):
-        shared += 1
+    from sweet_jax.sampling.generate import shared_prefix_length
+    shared = shared_prefix_length(prompts, minimum=1, multiple=1)  # all of it, each prompt keeping a token
     prefill_tokens = shared + sum(len(p) - shared for p in prompts)
     steps = new_tokens - 1
     phases = {"prefill": (prefill_tokens, len(prompts), context(0, shared) + sum(context(shared, len(p))
@@ -158,14 +157,9 @@ def torch_bf16_gflops(m: int, k: int, n: int) -> float:
     """PyTorch's bf16 matmul (its oneDNN kernel: this processor's bf16 units) at m x k x n, best of 5 calls (50
     for a decode step's few rows, whose single calls the scheduler's noise dominates)."""
     import torch
-    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(5 if m >= 512 else 50):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best / 1e9
+    from bench_matmul import best_seconds, operands
+    a, b = operands("torch", torch.bfloat16, m, k, n)
+    return 2 * m * k * n / best_seconds("torch", torch.matmul, a, b, 5 if m >= 512 else 50) / 1e9
 
 
 def run_row(name: str, row: Row, args) -> dict:
