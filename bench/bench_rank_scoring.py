@@ -1,13 +1,15 @@
-"""The rank stage's scoring: each turn's candidates scored on their own (one call per turn prompt) vs the
-candidates of a batch of turn prompts scored together (ranking.rank_turns since it batches them), same scorer
-(ranking.ReplyScorer: fixed-size batches, sorted by length, length buckets), same model, one process.
+"""The rank stage's scoring: every candidate's whole sequence in length-sorted batches (ReplyScorer(share_prefix=
+False)) vs each turn prompt's common prefix run once and each distinct candidate scored once on top of it
+(share_prefix=True, the default), same model, same candidates, one process.
 
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR            # a pipeline run's candidates
 
 RUN_DIR is a `python -m sweet_jax.pipeline` workdir with offline/trajectories.jsonl and candidates/candidates.jsonl
 (the pipeline's own inputs to its rank stages); the first --prompts turn prompts of the candidates file are scored
-with c (the critic's view), --rounds times each way, interleaved. Prints seconds per turn for both, their ratio,
-and the largest difference between the two ways' scores (the same sequences through differently filled batches).
+with c (the critic's view), --prompts-per-batch prompts a scorer call as ranking.rank_turns makes them, --rounds
+times each way, interleaved, after a first call that compiles every shape (its time printed apart). Prints seconds
+per turn for both, their ratio, the largest difference between the two ways' scores, how many of a turn's
+candidate pairs both ways put in the same order, and the tokens each way runs.
 """
 from __future__ import annotations
 
@@ -28,49 +30,69 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="the pipeline's rank.score_batch_size")
     parser.add_argument("--bucket", type=int, default=128, help="the pipeline's train.bucket")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: LlamaConfig's)")
     args = parser.parse_args()
 
-    from sweet_jax.rl import ranking
     from sweet_jax.data.loading import load_records
     from sweet_jax.data.schema import CandidatesRecord, Trajectory
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.models import load_hf
+    from sweet_jax.rl import ranking
 
     trajectories = [Trajectory.from_json(json.loads(line)) for line in open(f"{args.run}/offline/trajectories.jsonl")]
     prompts = {p.key: p for p in ranking.turn_prompts(trajectories)}
     records = load_records(f"{args.run}/candidates/candidates.jsonl", CandidatesRecord)[:args.prompts]
     turns = [(prompts[r.key], list(r.texts)) for r in records]
-    scorer = ranking.ReplyScorer(load_hf(args.model), load_tokenizer(args.model),
-                                 info_template="In light that the final answer is: {ground_truth}.",
-                                 batch_size=args.batch_size, bucket=args.bucket, max_len=1024)
+    model = load_hf(args.model, config_overrides=None if args.cpu_matmul is None else {"cpu_matmul": args.cpu_matmul})
+    tokenizer = load_tokenizer(args.model)
+    kw = dict(info_template="In light that the final answer is: {ground_truth}.", batch_size=args.batch_size,
+              bucket=args.bucket, max_len=4096)
+    scorers = {"whole sequences": ranking.ReplyScorer(model, tokenizer, share_prefix=False, **kw),
+               "shared prefix": ranking.ReplyScorer(model, tokenizer, share_prefix=True, **kw)}
+    batches = [[(p, t) for p, texts in turns[start:start + args.prompts_per_batch] for t in texts]
+               for start in range(0, len(turns), args.prompts_per_batch)]
 
-    def per_turn():
-        return np.concatenate([scorer([(p, t) for t in texts]) for p, texts in turns])
+    def run(scorer):
+        return np.concatenate([scorer(items) for items in batches])
 
-    def batched():
-        out = []
-        for start in range(0, len(turns), args.prompts_per_batch):
-            out.append(scorer([(p, t) for p, texts in turns[start:start + args.prompts_per_batch] for t in texts]))
-        return np.concatenate(out)
-
-    ways = {"per turn": per_turn, "batched": batched}
-    scores = {name: fn() for name, fn in ways.items()}  # compile every shape
-    times = {name: [] for name in ways}
+    scores, first = {}, {}
+    for name, scorer in scorers.items():
+        start = time.perf_counter()
+        scores[name] = run(scorer)
+        first[name] = time.perf_counter() - start
+    times = {name: [] for name in scorers}
     for _ in range(args.rounds):
-        for name, fn in ways.items():
+        for name, scorer in scorers.items():
             start = time.perf_counter()
-            fn()
+            run(scorer)
             times[name].append(time.perf_counter() - start)
+
+    seqs = [ranking.critic_sequence(tokenizer, p, t, info_template=kw["info_template"], info_placement="system")
+            for items in batches for p, t in items]
+    whole_tokens = sum(len(s.input_ids) for s in seqs)
+    distinct = {(s.input_ids.tobytes(), s.turn_ids.tobytes()): s for s in seqs}.values()
+    prefixes = {s.input_ids[:int(np.flatnonzero(s.turn_ids == 1)[0])].tobytes() for s in distinct}
+    shared_tokens = (sum(len(p) // 4 for p in prefixes)  # int32 bytes -> tokens
+                     + sum(len(s.input_ids) - int(np.flatnonzero(s.turn_ids == 1)[0]) for s in distinct))
     n = len(turns)
-    items = sum(len(texts) for _, texts in turns)
-    diff = float(np.nanmax(np.abs(scores["per turn"] - scores["batched"])))
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"{n} turn prompts, {items} candidates, score batches of {args.batch_size} rows, "
-          f"{args.prompts_per_batch} prompts a batch")
-    for name in ways:
-        print(f"{name:<10} {median[name] / n:7.2f} s/turn  (rounds: {', '.join(f'{t:.1f}' for t in times[name])} s)")
-    print(f"batched / per turn: {median['per turn'] / median['batched']:.2f}x faster; largest score difference "
-          f"{diff:.2e}")
+    diff = float(np.nanmax(np.abs(scores["whole sequences"] - scores["shared prefix"])))
+    same = ordered = 0  # candidate pairs of one turn that the whole-sequence scores order: same order both ways?
+    bounds = np.cumsum([0] + [len(texts) for _, texts in turns])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        a, b = scores["whole sequences"][lo:hi], scores["shared prefix"][lo:hi]
+        i, j = np.triu_indices(hi - lo, 1)
+        decided = a[i] != a[j]
+        ordered += int(decided.sum())
+        same += int((np.sign(a[i] - a[j]) == np.sign(b[i] - b[j]))[decided].sum())
+    print(f"{n} turn prompts, {len(seqs)} candidates ({len(distinct)} distinct), score batches of {args.batch_size} "
+          f"rows, {args.prompts_per_batch} prompts a call; tokens run (unpadded): whole {whole_tokens}, "
+          f"shared {shared_tokens} ({whole_tokens / shared_tokens:.1f}x fewer)")
+    for name in scorers:
+        print(f"{name:<16} {median[name] / n:7.2f} s/turn  (first call, compiling: {first[name]:.1f} s; rounds: "
+              f"{', '.join(f'{t:.1f}' for t in times[name])} s)")
+    print(f"shared prefix / whole sequences: {median['whole sequences'] / median['shared prefix']:.2f}x faster; "
+          f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def get_config(preset: str = "demo"):
     # info_template / info_placement / critic.use_info are read from the run when critic.path is a training workdir.
     c.max_len = 8192              # longest critic sequence
     c.bucket = 128                # critic sequence lengths are padded to a multiple of this
-    c.score_batch_size = 16       # critic sequences per forward pass
+    c.score_batch_size = 16       # most rows per scoring pass: distinct candidates of one turn prompt, its prefix run once
     c.prompts_per_batch = 8       # turns sampled together (x num_candidates sampler rows)
     c.max_batch_size = 128        # sampler rows per compiled call
     c.output = "runs/rank/pairs.jsonl"

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec
 import tiny
 from sweet_jax import sharding
 from sweet_jax.models import load_hf, save_hf
-from sweet_jax.models.llama import ScanLayersError
 
 IDS = np.arange(2 * 12).reshape(2, 12) * 7 % 256
 MASK = np.array([[1] * 12, [0] * 3 + [1] * 9], np.int32)  # left padding in the second row
@@ -103,10 +102,26 @@ def test_sharded_scanned_model_is_laid_out_by_the_rules_and_gives_the_same_logit
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
-def test_kv_cache_on_a_scanned_model_is_refused_with_advice(checkpoint):
+def test_kv_cache_on_a_scanned_model_gives_the_unrolled_models_hidden_states_and_cache(checkpoint):
+    # A prefix written into the cache, then a chunk of tokens attending to it (what the rank stage's shared-
+    # prefix scoring runs on the critic, a scan_layers training run): same hidden states, same cache per layer.
+    unrolled = load_hf(checkpoint)
     scanned = load_hf(checkpoint, config_overrides={"scan_layers": True})
-    with pytest.raises(ScanLayersError, match="scan_layers=False"):
-        scanned.init_cache(1, 16)
+    slots = np.concatenate([MASK, np.ones((2, 4), np.int32)], axis=1)  # 12 prompt slots (left padded) + 4 new
+
+    def run(model):
+        cache = model.init_cache(2, 16)
+        h1, cache = model.hidden_states(IDS, slots, cache=cache, cache_pos=0)
+        h2, cache = model.hidden_states(IDS[:, :4] + 1, slots, cache=cache, cache_pos=12)
+        return h1, h2, cache
+
+    (h1_u, h2_u, cache_u), (h1_s, h2_s, cache_s) = run(unrolled), run(scanned)
+    np.testing.assert_allclose(h1_s, h1_u, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(h2_s, h2_u, rtol=1e-5, atol=1e-5)
+    assert len(cache_s) == len(cache_u) == 3
+    for layer_s, layer_u in zip(cache_s, cache_u):
+        for name in layer_u:
+            np.testing.assert_allclose(layer_s[name], layer_u[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_sequence_parallel_residual_is_split_over_tensor_and_changes_no_value(checkpoint):

@@ -165,6 +165,33 @@ def test_reply_scorer_is_the_mean_teacher_forced_logprob_of_the_reply_tokens(tin
         assert score == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])  # a critic training run restores the scanned layout
+def test_shared_prefix_scoring_gives_the_whole_sequence_scores_once_per_distinct_sequence(
+        tiny_model_and_tokenizer, scan_layers):
+    from flax import nnx
+
+    from sweet_jax.models import Llama, LlamaConfig
+
+    _, tok = tiny_model_and_tokenizer
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=len(tok), scan_layers=scan_layers), rngs=nnx.Rngs(5))
+    prompts = ranking.turn_prompts([trajectory(["What is your number?", "Ints?", "I WANT TO ANSWER: def f(x): 1"])])
+    replies = ["Which number?", "def f(x): return x + 3", "Which number?", "Ints or floats, and how many?",
+               "Which number?", "I WANT TO ANSWER:\ndef f(x):\n    return x + 3  # " + "the number you gave " * 6,
+               "ok"]
+    items = [(prompt, text) for text in replies for prompt in prompts]  # interleaved turn prompts
+    kw = dict(info_template="Reference: {ground_truth}", batch_size=4, bucket=16)
+    shared = ranking.ReplyScorer(model, tok, **kw)
+    rows = []
+    score_rows = shared.mean_logp
+    shared.mean_logp = lambda *arrays: rows.append(int((arrays[3].sum(axis=1) > 0).sum())) or score_rows(*arrays)
+    got = shared(items)
+    want = ranking.ReplyScorer(model, tok, share_prefix=False, **kw)(items)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert np.all(np.isfinite(got)) and len(set(np.round(want, 4))) > len(prompts)
+    assert sum(rows) == len(prompts) * len(set(replies))  # "Which number?" three times, scored once a prompt
+    assert len(rows) == len(prompts) * 2  # 6 distinct candidates a prompt, at most 4 rows a call
+
+
 def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     """configs/rank.py:demo through rank.run: sample with the tiny policy, score with a tiny critic, write pairs."""
     import importlib.util

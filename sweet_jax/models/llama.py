@@ -532,10 +532,6 @@ class LMHead(nnx.Module):
                              config.param_dtype, "normal")
 
 
-class ScanLayersError(ValueError):
-    """A feature that needs per-layer modules (the KV cache) was used on a scan_layers=True model."""
-
-
 def stacked_decoder_layers(config: LlamaConfig, rngs: nnx.Rngs) -> DecoderLayer:
     """num_layers decoder layers as ONE DecoderLayer whose parameters carry a leading [L] axis (logical name
     'layers'), each layer initialised from its own split of the rng streams."""
@@ -593,9 +589,6 @@ class Llama(nnx.Module):
         """An empty KV cache of max_len slots in the compute dtype (or dtype): per layer {'k_BKHS', 'v_BKSH'}
         (attention.HEADS_MAJOR_CACHE)."""
         c = self.config
-        if c.scan_layers:
-            raise ScanLayersError("init_cache: this model has scan_layers=True (a training layout); generation "
-                                  "needs per-layer modules: build or load it with scan_layers=False.")
         return init_kv_cache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype or c.dtype)
 
     def _constrain_residual(self, x_BTD):
@@ -643,11 +636,9 @@ class Llama(nnx.Module):
     def _run_layers(self, x_BTD, cos, sin, mask, cache, cache_pos):
         """The decoder layers -> (x [B, T, D], the updated cache or None). One pure layer function, under the
         config's remat policy, runs both stacks: scanned over the stacked parameters (scan_layers: XLA compiles
-        one layer) or called once per layer module (unrolled: the KV cache needs these)."""
+        one layer; a cache is stacked over the layers for the scan and handed back as a list) or called once per
+        layer module (unrolled: the sampler's layout, whose decode steps would copy a stacked cache each step)."""
         c = self.config
-        if c.scan_layers and cache is not None:
-            raise ScanLayersError("a KV cache needs per-layer modules: load the model with scan_layers=False "
-                                  "for generation (load_hf(..., config_overrides={'scan_layers': False})).")
 
         def layer_body(x_BTD, layer_state, kv_cache, cos, sin, mask, cache_pos):  # one layer; state: its params
             x_BTD, kv_cache = nnx.merge(graphdef, layer_state)(x_BTD, cos, sin, mask, kv_cache, cache_pos)
@@ -657,9 +648,11 @@ class Llama(nnx.Module):
             layer_body = jax.checkpoint(layer_body, policy=_remat_policy(c.remat))
         if c.scan_layers:
             graphdef, layers_state = nnx.split(self.layers)
-            x_BTD, _ = jax.lax.scan(lambda x_BTD, layer_state: layer_body(x_BTD, layer_state, None, cos, sin, mask,
-                                                                          cache_pos), x_BTD, layers_state)
-            return x_BTD, None
+            stacked = None if cache is None else jax.tree.map(lambda *xs: jnp.stack(xs), *cache)
+            x_BTD, stacked = jax.lax.scan(lambda x_BTD, xs: layer_body(x_BTD, *xs, cos, sin, mask, cache_pos),
+                                          x_BTD, (layers_state, stacked))
+            return x_BTD, None if cache is None else [jax.tree.map(lambda x: x[i], stacked)
+                                                      for i in range(c.num_layers)]
         graphdef = nnx.graphdef(self.layers[0])  # every layer has the same structure
         new_cache = []
         for i, layer in enumerate(self.layers):

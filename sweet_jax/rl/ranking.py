@@ -29,6 +29,7 @@ import pathlib
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -41,11 +42,13 @@ from sweet_jax.data.render import RenderError
 from sweet_jax.data.schema import PolicyPair, Turn
 from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
+from sweet_jax.models import cpu_matmul
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.rl import diagnostics
 from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
-from sweet_jax.train import model_loading, rundir, steps
+from sweet_jax.sampling.generate import bucket_length, bucket_rows
+from sweet_jax.train import losses, model_loading, rundir, steps
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +220,57 @@ def make_mean_logp_fn(model, temperature: float = 1.0, *, compiled: dict | None 
     return mean_logp
 
 
+def make_prefix_mean_logp_fn(model, temperature: float = 1.0):
+    """make_mean_logp_fn's scores for rows that continue one prefix, the prefix run once:
+    (prefix_ids [1, S] left-padded, prefix_mask [1, S], ids [B, T] right-padded, mask [B, T], turn_ids [B, T])
+    -> [B] mean log-prob of each row's turn-id-1 tokens given the prefix and the row's earlier tokens.
+
+    The prefix's K/V go into a cache of S + T slots, copied to every row; the rows then run at slots [S, S + T)
+    attending to it, and the unembedding runs on the rows' T positions only (the prefix's last hidden state
+    predicts each row's first token)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    matmul = model.config.matmul
+
+    @jax.jit
+    def score(params, prefix_1S, prefix_mask_1S, ids_BT, mask_BT, turns_BT):
+        m = nnx.merge(graphdef, params, rest)
+        (B, T), S = ids_BT.shape, prefix_1S.shape[1]
+        # Every slot past the prefix is marked valid for the prefix's pass: causality hides them (generate's rule).
+        slots_1L = jnp.concatenate([prefix_mask_1S, jnp.ones((1, T), prefix_mask_1S.dtype)], axis=1)
+        hidden_1SD, cache = m.hidden_states(prefix_1S, slots_1L, cache=m.init_cache(1, S + T), cache_pos=0)
+        cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (B,) + x.shape[1:]), cache)
+        slots_BL = jnp.concatenate([jnp.broadcast_to(prefix_mask_1S, (B, S)), mask_BT], axis=1)
+        hidden_BTD, _ = m.hidden_states(ids_BT, slots_BL, cache=cache, cache_pos=S)
+        before_BTD = jnp.concatenate([jnp.broadcast_to(hidden_1SD[:, -1:], (B, 1, hidden_BTD.shape[-1])),
+                                      hidden_BTD[:, :-1]], axis=1)  # the state that predicts each row token
+        unembed = m.unembedding()
+        if temperature != 1.0:
+            unembed = unembed / jnp.asarray(temperature, unembed.dtype)
+        with cpu_matmul.unembedding(matmul):
+            logp_BT = losses.label_logprobs(before_BTD, unembed, ids_BT)
+        scored_BT = (turns_BT == 1).astype(jnp.float32)
+        return jnp.sum(logp_BT * scored_BT, axis=1) / jnp.maximum(jnp.sum(scored_BT, axis=1), 1.0)
+
+    return lambda *arrays: np.asarray(score(params, *arrays))
+
+
 class ReplyScorer:
-    """items [(TurnPrompt, reply text)] -> [N] mean log-prob of each reply under `model`, seeing c."""
+    """items [(TurnPrompt, reply text)] -> [N] mean log-prob of each reply under `model`, seeing c.
+
+    share_prefix (default): each distinct sequence is scored once, and the candidates of one turn prompt (same
+    tokens up to the reply) run their common prefix once (score_shared_prefixes); False: every item's whole
+    sequence in length-sorted batches (score_sequences). Same scores up to float rounding."""
 
     def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
                  use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
-                 style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None):
+                 style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None,
+                 share_prefix: bool = True):
         self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
         self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
         self.pad = pad_id(tokenizer)
         self.style, self.system_prompt = style, system_prompt
-        self.mean_logp = make_mean_logp_fn(model, temperature)
+        self.share_prefix = share_prefix
+        self.mean_logp = (make_prefix_mean_logp_fn if share_prefix else make_mean_logp_fn)(model, temperature)
         self.unscorable: list[tuple[tuple[int, int], str]] = []
 
     def __call__(self, items: Sequence[tuple[TurnPrompt, str]]) -> np.ndarray:
@@ -246,8 +289,9 @@ class ReplyScorer:
                 self.unscorable.append((prompt.key, str(e)))
                 seq = None
             seqs.append(seq)
-        return score_sequences(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
-                               batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
+        score = score_shared_prefixes if self.share_prefix else score_sequences
+        return score(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
+                     batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
 
 
 def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *, batch_size: int,
@@ -267,6 +311,45 @@ def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]
             ids[r, :n], mask[r, :n], turns[r, :n] = seqs[i][0], 1, seqs[i][1]
         mask[len(rows):, 0] = 1  # padding rows attend to one token, never an empty row
         scores[rows] = np.asarray(mean_logp(ids, mask, turns))[:len(rows)]
+    return scores
+
+
+def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *,
+                          batch_size: int, bucket: int, pad: int) -> np.ndarray:
+    """score_sequences' result computed with a prefix shared by rows (make_prefix_mean_logp_fn): a sequence that
+    occurs several times is scored once, and sequences with the same tokens before their first turn-id-1 token
+    (one turn prompt's candidates) are the rows of one call (up to `batch_size`; a power of two, at least a
+    quarter of it), the prefix left-padded to a multiple of `bucket`, the rows right-padded to a power of two
+    (generate.bucket_length)."""
+    scores = np.full(len(seqs), np.nan, np.float32)
+    distinct: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, list[int]]] = {}
+    for i, seq in enumerate(seqs):
+        if seq is not None:
+            ids, turns = np.asarray(seq[0], np.int32), np.asarray(seq[1], np.int32)
+            distinct.setdefault((ids.tobytes(), turns.tobytes()), (ids, turns, []))[2].append(i)
+    by_prefix: dict[bytes, list] = {}
+    for ids, turns, where in distinct.values():
+        labelled = np.flatnonzero(turns == 1)
+        split = min(max(int(labelled[0]) if len(labelled) else len(ids) - 1, 1), len(ids) - 1)
+        by_prefix.setdefault(ids[:split].tobytes(), []).append((ids[:split], ids[split:], turns[split:], where))
+    for group in by_prefix.values():
+        prefix = group[0][0]
+        S = -(-len(prefix) // bucket) * bucket
+        prefix_ids = np.full((1, S), pad, np.int32)
+        prefix_mask = np.zeros((1, S), np.int32)
+        prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
+        for start in range(0, len(group), batch_size):
+            rows = group[start:start + batch_size]
+            B = min(batch_size, max(bucket_rows(len(rows)), batch_size // 4))  # three row counts: few compiles
+            T = bucket_length(max(len(row[1]) for row in rows))
+            ids = np.full((B, T), pad, np.int32)
+            mask = np.zeros((B, T), np.int32)
+            turns = np.zeros((B, T), np.int32)
+            for r, (_, row_ids, row_turns, _) in enumerate(rows):
+                ids[r, :len(row_ids)], mask[r, :len(row_ids)], turns[r, :len(row_ids)] = row_ids, 1, row_turns
+            got = prefix_mean_logp(prefix_ids, prefix_mask, ids, mask, turns)
+            for r, (*_, where) in enumerate(rows):
+                scores[where] = got[r]
     return scores
 
 
