@@ -3,6 +3,7 @@ False)) vs each turn prompt's common prefix run once and each distinct candidate
 (share_prefix=True, the default), same model, same candidates, one process.
 
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR            # a pipeline run's candidates
+    python bench/bench_rank_scoring.py --run RUN_DIR --recorded                # against its rank stage's scores
 
 RUN_DIR is a `python -m sweet_jax.pipeline` workdir with offline/trajectories.jsonl and candidates/candidates.jsonl
 (the pipeline's own inputs to its rank stages); the first --prompts turn prompts of the candidates file are scored
@@ -10,6 +11,11 @@ with c (the critic's view), --prompts-per-batch prompts a scorer call as ranking
 times each way, interleaved, after a first call that compiles every shape (its time printed apart). Prints seconds
 per turn for both, their ratio, the largest difference between the two ways' scores, how many of a turn's
 candidate pairs both ways put in the same order, and the tokens each way runs.
+
+--recorded: every turn prompt of RUN_DIR/rank/scores.jsonl scored with the shared prefix by the run's critic
+(critic/hf) and pi_ref (init/policy_hf) with the run's rank settings (pipeline_config.json, float32), against the
+scores the rank stage recorded: the largest differences, and how many candidate pairs keep the recorded order of
+their advantages (pairs of identical candidates are exact ties now; they are counted apart).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import numpy as np
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="HF directory of the scoring model (critic or pi_ref)")
+    parser.add_argument("--model", help="HF directory of the scoring model (critic or pi_ref)")
     parser.add_argument("--run", required=True, help="pipeline workdir with offline/ and candidates/")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompts-per-batch", type=int, default=8, help="the pipeline's rank.prompts_per_batch")
@@ -31,7 +37,12 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=128, help="the pipeline's train.bucket")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: LlamaConfig's)")
+    parser.add_argument("--recorded", action="store_true", help="check the run's recorded rank scores instead")
     args = parser.parse_args()
+    if args.recorded:
+        return check_recorded(args.run)
+    if not args.model:
+        parser.error("--model is required (or --recorded)")
 
     from sweet_jax.data.loading import load_records
     from sweet_jax.data.schema import CandidatesRecord, Trajectory
@@ -93,6 +104,43 @@ def main() -> None:
               f"{', '.join(f'{t:.1f}' for t in times[name])} s)")
     print(f"shared prefix / whole sequences: {median['whole sequences'] / median['shared prefix']:.2f}x faster; "
           f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
+
+
+def check_recorded(run: str) -> None:
+    from sweet_jax.data.schema import Trajectory
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.models import load_hf
+    from sweet_jax.rl import ranking
+
+    config = json.load(open(f"{run}/pipeline_config.json"))
+    trajectories = [Trajectory.from_json(json.loads(line)) for line in open(f"{run}/offline/trajectories.jsonl")]
+    prompts = {p.key: p for p in ranking.turn_prompts(trajectories)}
+    records = [json.loads(line) for line in open(f"{run}/rank/scores.jsonl")]
+    items = [(prompts[(r["trajectory_index"], r["turn"])], text) for r in records for text in r["texts"]]
+    tokenizer = load_tokenizer(f"{run}/init/policy_hf")
+    kw = dict(info_template=config["rank"]["info_template"], info_placement=config["rank"]["info_placement"],
+              batch_size=config["rank"]["score_batch_size"], bucket=config["train"]["bucket"],
+              max_len=config["train"]["max_len"] * 2)
+    got = {}
+    for name, path in (("critic_logp", f"{run}/critic/hf"), ("reference_logp", f"{run}/init/policy_hf")):
+        start = time.perf_counter()
+        got[name] = ranking.ReplyScorer(load_hf(path, config_overrides={"cpu_matmul": "xla"}), tokenizer, **kw)(items)
+        recorded = np.concatenate([r[name] for r in records])
+        print(f"{name}: {time.perf_counter() - start:.0f} s, largest |shared prefix - recorded| "
+              f"{np.nanmax(np.abs(got[name] - recorded)):.2e}")
+    advantage = got["critic_logp"] - got["reference_logp"]
+    same = ordered = identical = 0
+    bounds = np.cumsum([0] + [len(r["texts"]) for r in records])
+    for r, lo, hi in zip(records, bounds[:-1], bounds[1:]):
+        recorded, now = np.asarray(r["advantage"]), advantage[lo:hi]
+        for i, j in zip(*np.triu_indices(hi - lo, 1)):
+            if r["texts"][i] == r["texts"][j]:
+                identical += int(recorded[i] != recorded[j])
+            elif recorded[i] != recorded[j]:
+                ordered += 1
+                same += int(np.sign(recorded[i] - recorded[j]) == np.sign(now[i] - now[j]))
+    print(f"{len(records)} turn prompts, {len(items)} candidates: pairs of distinct candidates in the recorded order "
+          f"{same}/{ordered}; pairs of identical candidates recorded apart (exact ties now) {identical}")
 
 
 if __name__ == "__main__":
