@@ -318,7 +318,13 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
     from sweet_jax.commands import pipeline_diagnostics
     pipeline_diagnostics.main([str(sel_dir), "--out", str(tmp_path / "diagnostics.json")])
     rankings = json.loads((tmp_path / "diagnostics.json").read_text())["rankings"]
-    assert set(rankings) == {"rank", "rank_no_info", "rank_balanced"}   # every ranking with its pairs by kind
+    # every ranking with its pairs by kind, iterative round 2's over the episodes of round 1's policy
+    assert set(rankings) == {"rank", "rank_no_info", "rank_balanced", "rank_round2"}
+    round2_pairs = read_jsonl(sel_dir / "evidence/pairs_rank_round2.jsonl")
+    assert len(round2_pairs) == rankings["rank_round2"]["pairs"] == len(read_jsonl(sel_dir / "rounds/2/rank/pairs.jsonl"))
+    assert "pair_oracle_agreement_round2" in json.loads((sel_dir / "results.json").read_text())["diagnostics"]
+    behaviour = json.loads((tmp_path / "diagnostics.json").read_text())["behaviour"]
+    assert behaviour["round 2 offline (round 1's policy, training tasks)"]["episodes"] == 24
     for r in rankings.values():   # each pair once by kind (the keys without a state in front)
         assert sum(sum(v.values()) for k, v in r["by_kind"].items() if ":" not in k) == r["pairs"]
 
@@ -407,8 +413,13 @@ def test_mean_table_over_seeds():
         return {"seed": seed, "model": "m", "heldout_tasks": 4, "methods": {
             "zero_shot": {"tests_passed_pct": 10.0, "success_rate_pct": 0.0, "episodes": 4},
             "sweet": {"tests_passed_pct": sweet, "success_rate_pct": sweet / 2, "episodes": 4}}}
-    table = results_lib.results_table([run(0, 20.0), run(1, 40.0)])
+    runs = [run(0, 20.0), run(1, 40.0)]
+    for r, balanced, round2 in zip(runs, (60.0, 70.0), (40.0, 50.0)):
+        r["diagnostics"] = {"pair_oracle_agreement_balanced": balanced, "pair_oracle_agreement_round2": round2}
+    table = results_lib.results_table(runs)
     assert "| SWEET-RL | 30.0 ± 10.0 | 15.0 ± 5.0 |" in table
+    assert ("| pairs on prompts balanced by state whose chosen reply is truly better (%) | 60 | 70 |\n"
+            "| iterative round 2: pairs with c whose chosen reply is truly better (%) | 40 | 50 |") in table
     assert "| Zero-Shot | 10.0 ± 0.0 | 0.0 ± 0.0 |" in table
     assert "seeds: 0, 1" in table
 

@@ -18,7 +18,7 @@ import sys
 from sweet_jax import cli
 from sweet_jax.commands import launch
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, run_diagnostics
+from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, rankings, run_diagnostics
 from sweet_jax.rl.probes import run_probes
 
 
@@ -36,9 +36,10 @@ def main(argv=None) -> None:
         raise SweetJaxError(f"{workdir} holds no pipeline stage (offline/, rank/): pass the --workdir of a "
                             "`python -m sweet_jax.pipeline` run")
     report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
-    traj = workdir / "offline" / "trajectories.jsonl"
+    stages = rankings(workdir)
     for name, ranking in report["rankings"].items():   # the rankings run_diagnostics found
-        ranking["by_kind"] = pair_kinds(workdir / name / "pairs.jsonl", traj)
+        stage, trajectories = stages[name]
+        ranking["by_kind"] = pair_kinds(stage / "pairs.jsonl", trajectories)
     if args.probes:
         report["probes"] = run_probes(workdir)
     text = json.dumps(report, indent=2)

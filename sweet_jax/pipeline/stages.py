@@ -907,20 +907,22 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
     if synthetic and run.path("candidates_balanced", DONE).exists():
         write_json(out / "prompts_balanced.json",
                    diagnostics_lib.prompt_states(ranked_prompts(run, str(offline), balanced=True), trajs))
-    for name in diagnostics_lib.RANKINGS:
-        pairs, scores = run.path(name, "pairs.jsonl"), run.path(name, "scores.jsonl")
+    for name, (stage, ranked) in diagnostics_lib.rankings(run.workdir).items():
+        pairs, scores = stage / "pairs.jsonl", stage / "scores.jsonl"
         if not pairs.exists():
             continue
-        if synthetic:
-            write_jsonl(out / f"pairs_{name}.jsonl", diagnostics_lib.pair_evidence(pairs, offline,
+        annotate = synthetic and ranked.exists()
+        if annotate:
+            write_jsonl(out / f"pairs_{name}.jsonl", diagnostics_lib.pair_evidence(pairs, ranked,
                                                                                max_turns=run.config.eval.max_turns))
         else:
             write_jsonl(out / f"pairs_{name}.jsonl", [{k: v for k, v in r.items() if not k.endswith("_ids")}
                                                        for r in jsonl.read(pairs)])
         if scores.exists():
             rows = {(r["trajectory_index"], r["turn"]): r for r in jsonl.read(scores)}  # a resumed batch: last
-            if synthetic:
-                rows = {k: diagnostics_lib.annotate_scores(r, trajs, max_turns=run.config.eval.max_turns)
+            if annotate:
+                ranked_trajs = jsonl.read(ranked)
+                rows = {k: diagnostics_lib.annotate_scores(r, ranked_trajs, max_turns=run.config.eval.max_turns)
                         for k, r in rows.items()}
             write_jsonl(out / f"scores_{name}.jsonl", [rows[k] for k in sorted(rows)])
     if synthetic:

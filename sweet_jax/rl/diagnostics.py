@@ -211,9 +211,12 @@ def policy_behaviour(trajectories: Sequence[dict]) -> dict:
 
 
 def behaviour_diagnostics(workdir) -> dict:
-    """policy_behaviour of the starting policy's offline episodes and of every evaluated policy."""
+    """policy_behaviour of the starting policy's offline episodes, of each iterative round's episodes (the previous
+    round's policy) and of every evaluated policy."""
     workdir = pathlib.Path(workdir)
     sources = {"offline (starting policy, training tasks)": workdir / "offline" / "trajectories.jsonl"}
+    sources.update({f"round {r} offline (round {r - 1}'s policy, training tasks)": path
+                    for r, path in _round_episodes(workdir)})
     sources.update({f"eval {d.name}": d / "trajectories.jsonl" for d in sorted((workdir / "eval").glob("*"))})
     out = {}
     for name, path in sources.items():
@@ -222,16 +225,30 @@ def behaviour_diagnostics(workdir) -> dict:
     return out
 
 
-# The rankings a pipeline run may hold (its stage directories): with c, without c, on prompts balanced by state.
+# The rankings of the offline episodes a pipeline run may hold (its stage directories): with c, without c, on
+# prompts balanced by state.
 RANKINGS = ("rank", "rank_no_info", "rank_balanced")
 
 
-def run_diagnostics(workdir) -> dict:
+def _round_episodes(workdir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """(r, the episodes round r collected with round r-1's policy) for each iterative round (rounds/<r>/)."""
+    rounds = sorted(int(d.name) for d in workdir.glob("rounds/*") if d.name.isdigit())
+    return [(r, workdir / "rounds" / str(r) / "offline" / "collected.jsonl") for r in rounds]
+
+
+def rankings(workdir) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
+    """name -> (ranking stage directory, the trajectories its turn prompts come from): RANKINGS over the offline
+    episodes, and each iterative round's ranking (rank_round<r>: rounds/<r>/rank over that round's episodes)."""
     workdir = pathlib.Path(workdir)
-    traj = workdir / "offline" / "trajectories.jsonl"
+    out = {name: (workdir / name, workdir / "offline" / "trajectories.jsonl") for name in RANKINGS}
+    out.update({f"rank_round{r}": (path.parent.parent / "rank", path) for r, path in _round_episodes(workdir)})
+    return out
+
+
+def run_diagnostics(workdir) -> dict:
     out = {}
-    for name in RANKINGS:
-        pairs = workdir / name / "pairs.jsonl"
-        if pairs.exists() and traj.exists():
-            out[name] = pair_oracle_agreement(pairs, traj)
+    for name, (stage, trajectories) in rankings(workdir).items():
+        pairs = stage / "pairs.jsonl"
+        if pairs.exists() and trajectories.exists():
+            out[name] = pair_oracle_agreement(pairs, trajectories)
     return out

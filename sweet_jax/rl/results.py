@@ -168,8 +168,13 @@ DIAGNOSTICS = (
 
 
 def _diagnostics(runs: Sequence[dict]) -> list[str]:
-    rows = []
-    for key, name in DIAGNOSTICS:
+    rows, rows_of = [], list(DIAGNOSTICS)
+    prefix = "pair_oracle_agreement_round"  # iterative rounds' rankings, after the other rankings' rows
+    rounds = sorted({int(k[len(prefix):]) for r in runs for k in r.get("diagnostics", {}) if k.startswith(prefix)})
+    at = [key for key, _ in rows_of].index("pair_oracle_agreement_balanced") + 1
+    rows_of[at:at] = [(f"{prefix}{r}", f"iterative round {r}: pairs with c whose chosen reply is truly better (%)")
+                      for r in rounds]
+    for key, name in rows_of:
         values = [r.get("diagnostics", {}).get(key) for r in runs]
         if all(v is None for v in values):
             continue
