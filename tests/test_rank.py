@@ -179,7 +179,7 @@ def test_shared_prefix_scoring_gives_the_whole_sequence_scores_once_per_distinct
                "Which number?", "I WANT TO ANSWER:\ndef f(x):\n    return x + 3  # " + "the number you gave " * 6,
                "ok"]
     items = [(prompt, text) for text in replies for prompt in prompts]  # interleaved turn prompts
-    kw = dict(info_template="Reference: {ground_truth}", batch_size=4, bucket=16)
+    kw = dict(info_template="Reference: {ground_truth}", batch_size=4, bucket=128)
     shared = ranking.ReplyScorer(model, tok, **kw)
     rows = []
     score_rows = shared.mean_logp
