@@ -42,8 +42,8 @@ from sweet_jax.data.render import RenderError
 from sweet_jax.data.schema import PolicyPair, Turn
 from sweet_jax.data.tokenizers import apply_chat_template, pad_id
 from sweet_jax.envs import AGENT_PROMPT
-from sweet_jax.models import cpu_matmul
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.models import cpu_matmul
 from sweet_jax.rl import diagnostics
 from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
