@@ -4,6 +4,7 @@ False)) vs each turn prompt's common prefix run once and each distinct candidate
 
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR            # a pipeline run's candidates
     python bench/bench_rank_scoring.py --run RUN_DIR --recorded                # against its rank stage's scores
+    python bench/bench_rank_scoring.py --model HF_DIR --memory                 # compiled scratch memory, both ways
 
 RUN_DIR is a `python -m sweet_jax.pipeline` workdir with offline/trajectories.jsonl and candidates/candidates.jsonl
 (the pipeline's own inputs to its rank stages); the first --prompts turn prompts of the candidates file are scored
@@ -11,6 +12,10 @@ with c (the critic's view), --prompts-per-batch prompts a scorer call as ranking
 times each way, interleaved, after a first call that compiles every shape (its time printed apart). Prints seconds
 per turn for both, their ratio, the largest difference between the two ways' scores, how many of a turn's
 candidate pairs both ways put in the same order, and the tokens each way runs.
+
+--memory: the scratch memory XLA assigns to one scoring pass of --batch-size rows each way (the compiled program's
+memory_analysis), whole sequences of prefix + reply tokens against the prefix once and the rows on it, for
+prefixes of 512 and 1024 tokens and 64-token replies.
 
 --recorded: every turn prompt of RUN_DIR/rank/scores.jsonl scored with the shared prefix by the run's critic
 (critic/hf) and pi_ref (init/policy_hf) with the run's rank settings (pipeline_config.json, float32), against the
@@ -30,7 +35,7 @@ import numpy as np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF directory of the scoring model (critic or pi_ref)")
-    parser.add_argument("--run", required=True, help="pipeline workdir with offline/ and candidates/")
+    parser.add_argument("--run", help="pipeline workdir with offline/ and candidates/")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompts-per-batch", type=int, default=8, help="the pipeline's rank.prompts_per_batch")
     parser.add_argument("--batch-size", type=int, default=16, help="the pipeline's rank.score_batch_size")
@@ -38,11 +43,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: LlamaConfig's)")
     parser.add_argument("--recorded", action="store_true", help="check the run's recorded rank scores instead")
+    parser.add_argument("--memory", action="store_true", help="print the compiled scratch memory of both ways")
     args = parser.parse_args()
     if args.recorded:
         return check_recorded(args.run)
-    if not args.model:
-        parser.error("--model is required (or --recorded)")
+    if args.memory:
+        return compiled_memory(args.model, args.batch_size)
+    if not args.model or not args.run:
+        parser.error("--model and --run are required (or --run with --recorded, --model with --memory)")
 
     from sweet_jax.data.loading import load_records
     from sweet_jax.data.schema import CandidatesRecord, Trajectory
@@ -104,6 +112,31 @@ def main() -> None:
               f"{', '.join(f'{t:.1f}' for t in times[name])} s)")
     print(f"shared prefix / whole sequences: {median['whole sequences'] / median['shared prefix']:.2f}x faster; "
           f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
+
+
+def compiled_memory(model_dir: str, rows: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sweet_jax.models import load_hf
+    from sweet_jax.rl import ranking
+    from sweet_jax.train import steps
+
+    model = load_hf(model_dir)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    whole = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest)
+    shared_fn = ranking.make_prefix_mean_logp_fn(model)
+    shared = dict(zip(shared_fn.__code__.co_freevars, (c.cell_contents for c in shared_fn.__closure__)))["score"]
+    ids = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    for prefix, reply in ((512, 64), (1024, 64)):
+        batch = {k: ids(rows, 1, prefix + reply) for k in ("input_ids", "attention_mask", "turn_ids")}
+        batch["ref_logp"] = jax.ShapeDtypeStruct((rows, 1, prefix + reply), jnp.float32)
+        a = whole.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+        b = shared.lower(params, ids(1, prefix), ids(1, prefix), *[ids(rows, reply)] * 3).compile()
+        b = b.memory_analysis().temp_size_in_bytes
+        print(f"{rows} rows, prefix {prefix} + reply {reply} tokens: scratch memory whole sequences {a / 2**20:.0f} MiB, "
+              f"shared prefix {b / 2**20:.0f} MiB")
 
 
 def check_recorded(run: str) -> None:
