@@ -90,20 +90,14 @@ def main() -> None:
             for items in batches for p, t in items]
     whole_tokens = sum(len(s.input_ids) for s in seqs)
     distinct = {(s.input_ids.tobytes(), s.turn_ids.tobytes()): s for s in seqs}.values()
-    prefixes = {s.input_ids[:int(np.flatnonzero(s.turn_ids == 1)[0])].tobytes() for s in distinct}
-    shared_tokens = (sum(len(p) // 4 for p in prefixes)  # int32 bytes -> tokens
-                     + sum(len(s.input_ids) - int(np.flatnonzero(s.turn_ids == 1)[0]) for s in distinct))
+    prefixes = {tuple(s.input_ids[:ranking.reply_start(s.turn_ids)]) for s in distinct}
+    shared_tokens = (sum(map(len, prefixes))
+                     + sum(len(s.input_ids) - ranking.reply_start(s.turn_ids) for s in distinct))
     n = len(turns)
     median = {name: statistics.median(t) for name, t in times.items()}
     diff = float(np.nanmax(np.abs(scores["whole sequences"] - scores["shared prefix"])))
-    same = ordered = 0  # candidate pairs of one turn that the whole-sequence scores order: same order both ways?
-    bounds = np.cumsum([0] + [len(texts) for _, texts in turns])
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        a, b = scores["whole sequences"][lo:hi], scores["shared prefix"][lo:hi]
-        i, j = np.triu_indices(hi - lo, 1)
-        decided = a[i] != a[j]
-        ordered += int(decided.sum())
-        same += int((np.sign(a[i] - a[j]) == np.sign(b[i] - b[j]))[decided].sum())
+    same, ordered, twins = same_order(scores["whole sequences"], scores["shared prefix"], [t for _, t in turns])
+    ordered += twins  # identical candidates scored apart by whole sequences: ties with the prefix shared
     print(f"{n} turn prompts, {len(seqs)} candidates ({len(distinct)} distinct), score batches of {args.batch_size} "
           f"rows, {args.prompts_per_batch} prompts a call; tokens run (unpadded): whole {whole_tokens}, "
           f"shared {shared_tokens} ({whole_tokens / shared_tokens:.1f}x fewer)")
@@ -112,6 +106,23 @@ def main() -> None:
               f"{', '.join(f'{t:.1f}' for t in times[name])} s)")
     print(f"shared prefix / whole sequences: {median['whole sequences'] / median['shared prefix']:.2f}x faster; "
           f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
+
+
+def same_order(reference: np.ndarray, other: np.ndarray, texts: list[list[str]]) -> tuple[int, int, int]:
+    """Over each turn's candidate pairs (texts: each turn's candidates, in the scores' order): (pairs of distinct
+    candidates that `other` orders as `reference`, pairs of distinct candidates `reference` orders, pairs of
+    identical candidates that `reference` scores apart)."""
+    same = ordered = identical = 0
+    bounds = np.cumsum([0] + [len(t) for t in texts])
+    for turn, lo, hi in zip(texts, bounds[:-1], bounds[1:]):
+        a, b = reference[lo:hi], other[lo:hi]
+        i, j = np.triu_indices(hi - lo, 1)
+        twins = np.array([turn[x] == turn[y] for x, y in zip(i, j)], bool)
+        decided = a[i] != a[j]
+        identical += int((twins & decided).sum())
+        ordered += int((~twins & decided).sum())
+        same += int((np.sign(a[i] - a[j]) == np.sign(b[i] - b[j]))[~twins & decided].sum())
+    return same, ordered, identical
 
 
 def compiled_memory(model_dir: str, rows: int) -> None:
@@ -126,17 +137,16 @@ def compiled_memory(model_dir: str, rows: int) -> None:
     model = load_hf(model_dir)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     whole = steps.make_score_step(graphdef, num_turns=1, advantage_norm="turn_mean", rest=rest)
-    shared_fn = ranking.make_prefix_mean_logp_fn(model)
-    shared = dict(zip(shared_fn.__code__.co_freevars, (c.cell_contents for c in shared_fn.__closure__)))["score"]
+    shared = ranking.make_prefix_mean_logp_fn(model)
     ids = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     for prefix, reply in ((512, 64), (1024, 64)):
         batch = {k: ids(rows, 1, prefix + reply) for k in ("input_ids", "attention_mask", "turn_ids")}
         batch["ref_logp"] = jax.ShapeDtypeStruct((rows, 1, prefix + reply), jnp.float32)
         a = whole.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
-        b = shared.lower(params, ids(1, prefix), ids(1, prefix), *[ids(rows, reply)] * 3).compile()
+        b = shared.lower(ids(1, prefix), ids(1, prefix), *[ids(rows, reply)] * 3).compile()
         b = b.memory_analysis().temp_size_in_bytes
-        print(f"{rows} rows, prefix {prefix} + reply {reply} tokens: scratch memory whole sequences {a / 2**20:.0f} MiB, "
-              f"shared prefix {b / 2**20:.0f} MiB")
+        print(f"{rows} rows, prefix {prefix} + reply {reply} tokens: scratch memory whole sequences "
+              f"{a / 2**20:.0f} MiB, shared prefix {b / 2**20:.0f} MiB")
 
 
 def check_recorded(run: str) -> None:
@@ -161,17 +171,8 @@ def check_recorded(run: str) -> None:
         recorded = np.concatenate([r[name] for r in records])
         print(f"{name}: {time.perf_counter() - start:.0f} s, largest |shared prefix - recorded| "
               f"{np.nanmax(np.abs(got[name] - recorded)):.2e}")
-    advantage = got["critic_logp"] - got["reference_logp"]
-    same = ordered = identical = 0
-    bounds = np.cumsum([0] + [len(r["texts"]) for r in records])
-    for r, lo, hi in zip(records, bounds[:-1], bounds[1:]):
-        recorded, now = np.asarray(r["advantage"]), advantage[lo:hi]
-        for i, j in zip(*np.triu_indices(hi - lo, 1)):
-            if r["texts"][i] == r["texts"][j]:
-                identical += int(recorded[i] != recorded[j])
-            elif recorded[i] != recorded[j]:
-                ordered += 1
-                same += int(np.sign(recorded[i] - recorded[j]) == np.sign(now[i] - now[j]))
+    same, ordered, identical = same_order(np.concatenate([r["advantage"] for r in records]),
+                                          got["critic_logp"] - got["reference_logp"], [r["texts"] for r in records])
     print(f"{len(records)} turn prompts, {len(items)} candidates: pairs of distinct candidates in the recorded order "
           f"{same}/{ordered}; pairs of identical candidates recorded apart (exact ties now) {identical}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -901,8 +902,9 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
         shutil.copyfile(run.workdir / "selection.json", out / "selection.json")
     offline = run.path("offline", "trajectories.jsonl")
     synthetic = run.config.tasks.source == "synthetic" and offline.exists()
+    read = functools.cache(jsonl.read)  # the offline episodes serve the prompts' states and three rankings
     if synthetic and run.path("candidates", DONE).exists():
-        trajs = jsonl.read(offline)
+        trajs = read(offline)
         write_json(out / "prompts.json", diagnostics_lib.prompt_states(ranked_prompts(run, str(offline)), trajs))
     if synthetic and run.path("candidates_balanced", DONE).exists():
         write_json(out / "prompts_balanced.json",
@@ -921,8 +923,7 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
         if scores.exists():
             rows = {(r["trajectory_index"], r["turn"]): r for r in jsonl.read(scores)}  # a resumed batch: last
             if annotate:
-                ranked_trajs = jsonl.read(ranked)
-                rows = {k: diagnostics_lib.annotate_scores(r, ranked_trajs, max_turns=run.config.eval.max_turns)
+                rows = {k: diagnostics_lib.annotate_scores(r, read(ranked), max_turns=run.config.eval.max_turns)
                         for k, r in rows.items()}
             write_jsonl(out / f"scores_{name}.jsonl", [rows[k] for k in sorted(rows)])
     if synthetic:

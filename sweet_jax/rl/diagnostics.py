@@ -215,8 +215,8 @@ def behaviour_diagnostics(workdir) -> dict:
     round's policy) and of every evaluated policy."""
     workdir = pathlib.Path(workdir)
     sources = {"offline (starting policy, training tasks)": workdir / "offline" / "trajectories.jsonl"}
-    sources.update({f"round {r} offline (round {r - 1}'s policy, training tasks)": path
-                    for r, path in _round_episodes(workdir)})
+    sources.update({f"round {r} offline (round {r - 1}'s policy, training tasks)": _round_episodes(d)
+                    for r, d in _rounds(workdir)})
     sources.update({f"eval {d.name}": d / "trajectories.jsonl" for d in sorted((workdir / "eval").glob("*"))})
     out = {}
     for name, path in sources.items():
@@ -230,10 +230,14 @@ def behaviour_diagnostics(workdir) -> dict:
 RANKINGS = ("rank", "rank_no_info", "rank_balanced")
 
 
-def _round_episodes(workdir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
-    """(r, the episodes round r collected with round r-1's policy) for each iterative round (rounds/<r>/)."""
-    rounds = sorted(int(d.name) for d in workdir.glob("rounds/*") if d.name.isdigit())
-    return [(r, workdir / "rounds" / str(r) / "offline" / "collected.jsonl") for r in rounds]
+def _rounds(workdir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """(r, rounds/<r>/) for each iterative round of a run, in order."""
+    return sorted((int(d.name), d) for d in workdir.glob("rounds/*") if d.name.isdigit())
+
+
+def _round_episodes(round_dir: pathlib.Path) -> pathlib.Path:
+    """The episodes a round collected with the previous round's policy (pipeline stage round<r>_offline)."""
+    return round_dir / "offline" / "collected.jsonl"
 
 
 def rankings(workdir) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
@@ -241,7 +245,7 @@ def rankings(workdir) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
     episodes, and each iterative round's ranking (rank_round<r>: rounds/<r>/rank over that round's episodes)."""
     workdir = pathlib.Path(workdir)
     out = {name: (workdir / name, workdir / "offline" / "trajectories.jsonl") for name in RANKINGS}
-    out.update({f"rank_round{r}": (path.parent.parent / "rank", path) for r, path in _round_episodes(workdir)})
+    out.update({f"rank_round{r}": (d / "rank", _round_episodes(d)) for r, d in _rounds(workdir)})
     return out
 
 

@@ -248,10 +248,13 @@ def make_prefix_mean_logp_fn(model, temperature: float = 1.0):
             unembed = unembed / jnp.asarray(temperature, unembed.dtype)
         with cpu_matmul.unembedding(matmul):
             logp_BT = losses.label_logprobs(before_BTD, unembed, ids_BT)
-        scored_BT = (turns_BT == 1).astype(jnp.float32)
-        return jnp.sum(logp_BT * scored_BT, axis=1) / jnp.maximum(jnp.sum(scored_BT, axis=1), 1.0)
+        return losses.turn_advantages(logp_BT, jnp.zeros_like(logp_BT), turns_BT, num_turns=1, norm="turn_mean")[:, 0]
 
-    return lambda *arrays: np.asarray(score(params, *arrays))
+    def prefix_mean_logp(*arrays):
+        return np.asarray(score(params, *arrays))
+
+    prefix_mean_logp.lower = lambda *arrays: score.lower(params, *arrays)  # for compiled-program measurements
+    return prefix_mean_logp
 
 
 class ReplyScorer:
@@ -314,6 +317,14 @@ def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]
     return scores
 
 
+def reply_start(turn_ids) -> int:
+    """Where a sequence's shared prefix ends: its first scored (turn id 1) token, at least 1 and leaving at least one
+    token after it (the whole sequence but its last token when nothing is scored)."""
+    turn_ids = np.asarray(turn_ids)
+    labelled = np.flatnonzero(turn_ids == 1)
+    return min(max(int(labelled[0]) if len(labelled) else len(turn_ids) - 1, 1), len(turn_ids) - 1)
+
+
 def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *,
                           batch_size: int, bucket: int, pad: int) -> np.ndarray:
     """score_sequences' result computed with a prefix shared by rows (make_prefix_mean_logp_fn): a sequence that
@@ -329,8 +340,7 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
             distinct.setdefault((ids.tobytes(), turns.tobytes()), (ids, turns, []))[2].append(i)
     by_prefix: dict[bytes, list] = {}
     for ids, turns, where in distinct.values():
-        labelled = np.flatnonzero(turns == 1)
-        split = min(max(int(labelled[0]) if len(labelled) else len(ids) - 1, 1), len(ids) - 1)
+        split = reply_start(turns)
         by_prefix.setdefault(ids[:split].tobytes(), []).append((ids[:split], ids[split:], turns[split:], where))
     for group in by_prefix.values():
         prefix = group[0][0]
