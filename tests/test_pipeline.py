@@ -443,6 +443,27 @@ def test_the_report_sums_stage_times_by_group_and_reads_them_from_a_run(tmp_path
     assert results_lib.stage_group("valid/sweet/lr1e-05_step8") == "valid/sweet"
 
 
+def test_the_report_tables_each_policys_behaviour_and_each_ranking_from_the_diagnostics_beside_it(tmp_path):
+    run = {"seed": 3, "model": "m", "heldout_tasks": 4, "methods": {
+        "sweet": {"tests_passed_pct": 75.0, "success_rate_pct": 50.0, "turns_per_episode": 4.25, "episodes": 8}}}
+    kinds = {"question over answer": {"agree": 9, "disagree": 2, "tie": 0},
+             "answer over question": {"agree": 1, "disagree": 4, "tie": 0},
+             "all values known: question over answer": {"agree": 0, "disagree": 2, "tie": 0},
+             "question over question": {"agree": 3, "disagree": 0, "tie": 5}}
+    diagnostics = {"behaviour": {"eval sweet": {"questions_per_episode": 3.125, "episodes_with_answer_pct": 87.5}},
+                   "rankings": {"rank_round2": {"decided": 19, "agreement_pct": 68.42, "by_kind": kinds},
+                                "rank": {"decided": 19, "agreement_pct": 68.42, "by_kind": kinds}}}
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    without = results_lib.results_table([results_lib.read_results(tmp_path)])
+    (tmp_path / "diagnostics.json").write_text(json.dumps(diagnostics))
+    table = results_lib.results_table([results_lib.read_results(tmp_path)])
+    assert "Q > A" not in without and "questions an episode" not in without
+    assert "| SWEET-RL | 50.0 | 75.0 | 4.2 | 3.12 | 87.5 |" in table
+    # the kinds' counts are agree + disagree (ties are not decided), the oracle's wrong ones in brackets
+    assert ("| SWEET-RL (with c) | 3 | 19 | 68.4 | 11 (2) | 5 (4) | 2 (2) | 0 (0) |\n"
+            "| iterative round 2 (with c) | 3 | 19 |") in table
+
+
 def test_the_table_shows_the_validation_grid_with_the_choice():
     cell = lambda lr, step, success: {"lr": lr, "step": step, "success_rate": success,  # noqa: E731
                                       "tests_passed_pct": 50.0}

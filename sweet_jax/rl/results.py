@@ -46,6 +46,9 @@ def read_results(workdir) -> dict:
         if records.exists():  # every stage's done.json record, keyed by its directory (pipeline.write_evidence)
             results["stage_records"] = json.loads(records.read_text())
             break
+    oracle = path.parent / "diagnostics.json"   # `python -m sweet_jax.pipeline_diagnostics RUN --out` kept beside it
+    if oracle.exists():
+        results["run_diagnostics"] = json.loads(oracle.read_text())
     return results
 
 
@@ -78,11 +81,68 @@ def results_table(runs: Sequence[dict], *, title: str = "") -> str:
     if diag:
         lines += ["", "| Diagnostics | " + " | ".join(f"seed {s}" for s in seeds) + " |",
                   "|---|" + "---|" * len(runs)] + diag
+    if any(r.get("run_diagnostics") for r in runs):
+        lines += ["", behaviour_table(runs), rankings_table(runs)]
     if any(r.get("stage_records") for r in runs):
         lines += ["", stage_times_table(runs)]
     for r in runs:
         if r.get("selection"):
             lines += ["", selection_table(r["selection"])]
+    return "\n".join(lines) + "\n"
+
+
+def behaviour_table(runs: Sequence[dict]) -> str:
+    """Markdown: each evaluated policy on the held-out tasks, one value per run: its success rate, % tests passed
+    and turns (results.json), its questions and answering episodes (pipeline_diagnostics' behaviour)."""
+    seeds = " / ".join(str(r.get("seed")) for r in runs)
+    lines = [f"Each policy on the held-out tasks, seed {seeds} (questions and answers: `pipeline_diagnostics`):", "",
+             "| policy | success % | % tests passed | turns an episode | questions an episode | "
+             "episodes that answer, % |", "|---|" + "---|" * 5]
+    for m in [m for m in METHOD_NAMES if any(m in r["methods"] for r in runs)]:
+        cells = []
+        for source, key, fmt in (("methods", "success_rate_pct", "{:.1f}"), ("methods", "tests_passed_pct", "{:.1f}"),
+                                 ("methods", "turns_per_episode", "{:.1f}"),
+                                 ("behaviour", "questions_per_episode", "{:.2f}"),
+                                 ("behaviour", "episodes_with_answer_pct", "{:.1f}")):
+            values = []
+            for r in runs:
+                record = (r["methods"].get(m) if source == "methods"
+                          else r.get("run_diagnostics", {}).get("behaviour", {}).get(f"eval {m}")) or {}
+                values.append("n/a" if record.get(key) is None else fmt.format(record[key]))
+            cells.append(" / ".join(values))
+        lines.append(f"| {METHOD_NAMES[m]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+RANKING_NAMES = {"rank": "SWEET-RL (with c)", "rank_no_info": "SWEET-RL w/o c",
+                 "rank_balanced": "with c, turn prompts balanced by state"}
+# The pair kinds whose count and errors the rankings table shows (pipeline_diagnostics' by_kind keys).
+RANKING_KINDS = ("question over answer", "answer over question", "all values known: question over answer",
+                 "all values known: answer over question")
+
+
+def rankings_table(runs: Sequence[dict]) -> str:
+    """Markdown: each step-level ranking of each run against the synthetic oracle (pipeline_diagnostics): its
+    decided pairs, their agreement, and the pairs that choose a question over an answer or the reverse, overall and
+    where every hidden value is known, each with how many of them the oracle calls wrong."""
+    names = []
+    for r in runs:
+        names += [n for n in r.get("run_diagnostics", {}).get("rankings", {}) if n not in names]
+    names.sort(key=lambda n: (n.startswith("rank_round"), n.startswith("rank_round") and int(n[len("rank_round"):])))
+    lines = ["Step-level rankings against the synthetic oracle (Q > A: a question chosen over an answer; in brackets "
+             "the pairs the oracle calls wrong; all known: states where every hidden value has been stated):", "",
+             "| ranking | seed | decided pairs | oracle agreement (%) | Q > A | A > Q | all known: Q > A | "
+             "all known: A > Q |", "|---|" + "---|" * 7]
+    for name in names:
+        label = RANKING_NAMES.get(name) or f"iterative round {name[len('rank_round'):]} (with c)"
+        for r in runs:
+            ranking = r.get("run_diagnostics", {}).get("rankings", {}).get(name)
+            if ranking is None:
+                continue
+            counts = [ranking.get("by_kind", {}).get(kind, {}) for kind in RANKING_KINDS]
+            cells = [f"{c.get('agree', 0) + c.get('disagree', 0)} ({c.get('disagree', 0)})" for c in counts]
+            lines.append(f"| {label} | {r.get('seed')} | {ranking['decided']} | {ranking['agreement_pct']:.1f} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
