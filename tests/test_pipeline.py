@@ -462,6 +462,12 @@ def test_the_report_tables_each_policys_behaviour_and_each_ranking_from_the_diag
     # the kinds' counts are agree + disagree (ties are not decided), the oracle's wrong ones in brackets
     assert ("| SWEET-RL (with c) | 3 | 19 | 68.4 | 11 (2) | 5 (4) | 2 (2) | 0 (0) |\n"
             "| iterative round 2 (with c) | 3 | 19 |") in table
+    # an older diagnostics file: [agree, decided] per kind, no states
+    diagnostics["rankings"] = {"rank": {"decided": 6, "agreement_pct": 50.0, "by_kind": {
+        "question over answer": [2, 5], "answer over question": [1, 1]}}}
+    (tmp_path / "diagnostics.json").write_text(json.dumps(diagnostics))
+    table = results_lib.results_table([results_lib.read_results(tmp_path)])
+    assert "| SWEET-RL (with c) | 3 | 6 | 50.0 | 5 (3) | 1 (0) | n/a | n/a |" in table
 
 
 def test_the_table_shows_the_validation_grid_with_the_choice():

@@ -121,6 +121,19 @@ RANKING_KINDS = ("question over answer", "answer over question", "all values kno
                  "all values known: answer over question")
 
 
+def _kind_cell(by_kind: dict, kind: str) -> str:
+    """'decided (wrong)' of one pair kind; diagnostics files written before ties and states were counted hold
+    [agree, decided] per kind and no states."""
+    counts = by_kind.get(kind)
+    if isinstance(counts, list):
+        agree, decided = counts
+        return f"{decided} ({decided - agree})"
+    if counts is None and any(isinstance(c, list) for c in by_kind.values()):
+        return "n/a"
+    counts = counts or {}
+    return f"{counts.get('agree', 0) + counts.get('disagree', 0)} ({counts.get('disagree', 0)})"
+
+
 def rankings_table(runs: Sequence[dict]) -> str:
     """Markdown: each step-level ranking of each run against the synthetic oracle (pipeline_diagnostics): its
     decided pairs, their agreement, and the pairs that choose a question over an answer or the reverse, overall and
@@ -139,8 +152,7 @@ def rankings_table(runs: Sequence[dict]) -> str:
             ranking = r.get("run_diagnostics", {}).get("rankings", {}).get(name)
             if ranking is None:
                 continue
-            counts = [ranking.get("by_kind", {}).get(kind, {}) for kind in RANKING_KINDS]
-            cells = [f"{c.get('agree', 0) + c.get('disagree', 0)} ({c.get('disagree', 0)})" for c in counts]
+            cells = [_kind_cell(ranking.get("by_kind", {}), kind) for kind in RANKING_KINDS]
             lines.append(f"| {label} | {r.get('seed')} | {ranking['decided']} | {ranking['agreement_pct']:.1f} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
