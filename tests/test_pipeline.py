@@ -299,6 +299,11 @@ def test_settings_are_chosen_on_validation_tasks_and_frozen_for_other_seeds(work
     best_round = rounds["choice"]["round"]
     iterative = json.loads((sel_dir / "eval/sweet_iterative/done.json").read_text())["summary"]["policy"]
     assert iterative == (round1 if best_round == 1 else str(sel_dir / f"rounds/2/policy/step{choice['step']}/hf"))
+    if best_round == 1:   # SWEET-RL's policy: its held-out episodes, not a second play of the same seed
+        record = json.loads((sel_dir / "eval/sweet_iterative/done.json").read_text())["summary"]
+        assert record["episodes_of"] == "eval/sweet" and record["method"] == "sweet_iterative"
+        assert ((sel_dir / "eval/sweet_iterative/trajectories.jsonl").read_text()
+                == (sel_dir / "eval/sweet/trajectories.jsonl").read_text())
 
     # SWEET-RL on turn prompts balanced by state: as many prompts as SWEET-RL's ranking, up to half of them states
     # where every value is known, ranked by the same critic; its own grid and choice

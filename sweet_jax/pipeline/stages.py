@@ -726,6 +726,14 @@ def stage_eval(run: Run, d: pathlib.Path, hf_dir: str, method: str, *, split: st
     return dict(summary, method=method, policy=hf_dir, success_rate_pct=100.0 * summary["success_rate"])
 
 
+def stage_eval_copy(run: Run, d: pathlib.Path, played_by: str, summary: dict, method: str) -> dict:
+    """A policy another method's evaluation already played (iterative SWEET-RL that chose round 1 is SWEET-RL's
+    policy): the evaluation's seed does not depend on the method, so it would play the same episodes; copy them."""
+    for f in run.path("eval", played_by).glob("trajectories.jsonl*"):
+        shutil.copyfile(f, d / f.name)
+    return dict(summary, method=method, episodes_of=f"eval/{played_by}")
+
+
 def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[str]) -> dict:
     c = run.config
     s = summaries
@@ -875,8 +883,11 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                 selection["sweet_iterative"] = rounds
         if selection:
             write_selection(run, grid, selection, s.get("valid_zero_shot"))
+        played: dict[str, str] = {}   # policy -> the first method whose evaluation played it
         for m in methods:
-            s[f"eval_{m}"] = run.stage(f"eval_{m}", f"eval/{m}", lambda d, m=m: stage_eval(run, d, hf[m], m))
+            first = played.setdefault(hf[m], m)
+            s[f"eval_{m}"] = run.stage(f"eval_{m}", f"eval/{m}", lambda d, m=m, first=first: stage_eval(
+                run, d, hf[m], m) if first == m else stage_eval_copy(run, d, first, s[f"eval_{first}"], m))
         s["report"] = run.stage("report", "report", lambda d: stage_report(run, d, s, methods))
     finally:
         run.close()
