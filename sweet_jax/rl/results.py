@@ -46,9 +46,9 @@ def read_results(workdir) -> dict:
         if records.exists():  # every stage's done.json record, keyed by its directory (pipeline.write_evidence)
             results["stage_records"] = json.loads(records.read_text())
             break
-    oracle = path.parent / "diagnostics.json"   # `python -m sweet_jax.pipeline_diagnostics RUN --out` kept beside it
-    if oracle.exists():
-        results["run_diagnostics"] = json.loads(oracle.read_text())
+    diagnostics = path.parent / "diagnostics.json"   # `python -m sweet_jax.pipeline_diagnostics RUN --out` beside it
+    if diagnostics.exists():
+        results["run_diagnostics"] = json.loads(diagnostics.read_text())
     return results
 
 
@@ -138,16 +138,19 @@ def rankings_table(runs: Sequence[dict]) -> str:
     """Markdown: each step-level ranking of each run against the synthetic oracle (pipeline_diagnostics): its
     decided pairs, their agreement, and the pairs that choose a question over an answer or the reverse, overall and
     where every hidden value is known, each with how many of them the oracle calls wrong."""
+    def round_of(name: str) -> int:   # iterative rounds' rankings (rank_round<r>) after the others, in order
+        return int(name[len("rank_round"):]) if name.startswith("rank_round") else 0
+
     names = []
     for r in runs:
         names += [n for n in r.get("run_diagnostics", {}).get("rankings", {}) if n not in names]
-    names.sort(key=lambda n: (n.startswith("rank_round"), n.startswith("rank_round") and int(n[len("rank_round"):])))
+    names.sort(key=round_of)
     lines = ["Step-level rankings against the synthetic oracle (Q > A: a question chosen over an answer; in brackets "
              "the pairs the oracle calls wrong; all known: states where every hidden value has been stated):", "",
              "| ranking | seed | decided pairs | oracle agreement (%) | Q > A | A > Q | all known: Q > A | "
              "all known: A > Q |", "|---|" + "---|" * 7]
     for name in names:
-        label = RANKING_NAMES.get(name) or f"iterative round {name[len('rank_round'):]} (with c)"
+        label = RANKING_NAMES.get(name) or f"iterative round {round_of(name)} (with c)"
         for r in runs:
             ranking = r.get("run_diagnostics", {}).get("rankings", {}).get(name)
             if ranking is None:
