@@ -65,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.micro_batch_size = 0      # pairs per forward/backward; 0: on CPU steps.auto_micro_batch_size, else batch_size
     c.train.epochs = 1                # passes over the training examples (when num_steps is 0)
     c.train.num_steps = 0             # > 0 overrides epochs
+    c.train.stop_at = 0               # > 0: stop after this step; the lr schedule still spans the whole run
     c.train.seed = 0                  # model init, data order and the held-out split
     c.train.log_every = 1             # a metrics.jsonl line every N steps
     c.train.eval_every = 0            # 0 = only at the end
@@ -166,6 +167,7 @@ TRAIN_RANGES = {
     "train.micro_batch_size": (int, at_least(0), "0 = automatic"),
     "train.epochs": (int, at_least(0), "passes over the data"),
     "train.num_steps": (int, at_least(0), "0 = from epochs"),
+    "train.stop_at": (int, at_least(0), "0 = the last step"),
     "train.seed": (int, at_least(0), "a seed"),
     "train.log_every": (int, above(0), "a metrics line every N steps"),
     "train.eval_every": (int, at_least(0), "0 = only at the end"),

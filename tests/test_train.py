@@ -284,6 +284,30 @@ def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupt
 
 
 @pytest.mark.slow
+def test_a_run_stopped_at_a_step_is_the_whole_runs_checkpoint_of_that_step(straight_run, data, tmp_path):
+    """train.stop_at=4 of a 6-step run: the same schedule (the same lr at each step), losses and parameters as the
+    straight run's first 4 steps, and no step after."""
+    from flax import nnx
+    from sweet_jax.train import model_loading
+
+    workdir = tmp_path / "stopped"
+    run_train(workdir, data, "--config.data.eval_fraction=0.2", "--config.train.stop_at=4")
+    assert steps_on_disk(workdir) == [2, 4]
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 4
+    stopped, straight = records(workdir), records(straight_run)
+    assert [r["step"] for r in stopped] == [1, 2, 3, 4]
+    for a, b in zip(stopped, straight):
+        assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}, a["step"]
+    model, step, _ = model_loading.restore_model(straight_run, step=4)
+    assert step == 4
+    reference = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = trained_params(workdir)
+    assert params.keys() == reference.keys()
+    for k in params:
+        np.testing.assert_array_equal(params[k], reference[k], err_msg=str(k))
+
+
+@pytest.mark.slow
 def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, tmp_path, caplog):
     """FSDP over the 8 devices (the presets' (1, -1, 1)) cannot split a batch of 4 pairs: the trainer runs on
     (1, 4, 2) instead, says so, and trains the step."""

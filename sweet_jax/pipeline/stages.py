@@ -632,12 +632,14 @@ def stage_policy(run: Run, d: pathlib.Path, method: str, policy_hf: str, *, traj
 
 def stage_policy_grid(run: Run, d: pathlib.Path, method: str, policy_hf: str, grid: "Grid", lr: float, *,
                       trajectories: str = "", pairs: str = "") -> dict:
-    """One training run of `method` at learning rate lr for grid.total_steps steps, its checkpoints at the grid's
-    steps exported to d/step{N}/hf (then the checkpoints, ~3x the model each, are deleted)."""
+    """One training run of `method` at learning rate lr on a schedule of grid.total_steps steps, trained to the last
+    of the grid's steps it needs (frozen: the chosen one), its checkpoints at those steps exported to d/step{N}/hf
+    (then the checkpoints, ~3x the model each, are deleted)."""
     tconfig = policy_train_config(run, method, policy_hf, trajectories=trajectories, pairs=pairs)
     steps = grid.steps_of(method)
     tconfig.optim.lr = lr
     tconfig.train.num_steps = grid.total_steps
+    tconfig.train.stop_at = max(steps)  # frozen: the chosen checkpoint of the same run, trained no further
     tconfig.train.ckpt_every = int(np.gcd.reduce(steps))
     tconfig.train.keep_ckpts = 1000
     summary = run_training(run, d, tconfig)

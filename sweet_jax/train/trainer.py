@@ -307,28 +307,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def loop(self) -> None:
-        """Train to total_steps: a metrics line per step, evals and saves as configured; SIGTERM (TPU preemption)
-        or Ctrl-C finishes the step, saves it and raises Preempted."""
+        """Train to total_steps (or train.stop_at, on the same schedule): a metrics line per step, evals and saves as
+        configured; SIGTERM (TPU preemption) or Ctrl-C finishes the step, saves it and raises Preempted."""
         config = self.config
+        end = min(config.train.get("stop_at", 0) or self.total_steps, self.total_steps)
         self.history: list[dict] = []
         self.last_eval: dict = {}
         signals = _StopSignals()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.kind}", unit="step",
+        bar = tqdm(total=end, initial=self.step, desc=f"train {self.kind}", unit="step",
                    disable=not self.is_main)
         try:
             if self.restored is None and config.train.eval_every > 0:
                 self.run_eval(0)
-            while self.step < self.total_steps:
+            while self.step < end:
                 m = self.train_one_step()
                 step = self.step
-                if step % config.train.log_every == 0 or step == self.total_steps:
+                if step % config.train.log_every == 0 or step == end:
                     self.writer.write(step, m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('pair_accuracy', float('nan')):.2f}",
                                 tok_s=f"{m['tokens_per_s']:.0f}")
                 bar.update(1)
-                if config.train.eval_every > 0 and step % config.train.eval_every == 0 and step < self.total_steps:
+                if config.train.eval_every > 0 and step % config.train.eval_every == 0 and step < end:
                     self.run_eval(step)
-                if config.train.ckpt_every > 0 and step % config.train.ckpt_every == 0 and step < self.total_steps:
+                if config.train.ckpt_every > 0 and step % config.train.ckpt_every == 0 and step < end:
                     self.save(step)
                     self.sync_logs()
                 if signals.requested(step):
@@ -336,7 +337,7 @@ class Trainer:
                     raise Preempted(step, signals.signum)
             bar.close()
             self.run_eval(self.step)
-            if self.restored is None or self.restored[0] < self.total_steps:
+            if self.restored is None or self.restored[0] < end:
                 self.save(self.step, wait=True)
         except Preempted as e:
             log.warning("%s (checkpoints in %s)", e, self.workdir / CHECKPOINT_DIR)
