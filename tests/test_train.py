@@ -72,11 +72,13 @@ def steps_on_disk(workdir) -> list[int]:
     return sorted(int(p.name) for p in (pathlib.Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def trained_params(workdir) -> dict:
+def trained_params(workdir, step: int | None = None) -> dict:
+    """The parameters of the run's latest checkpoint, or of `step`'s."""
     from flax import nnx
     from sweet_jax.train import model_loading
 
-    model, _, _ = model_loading.restore_model(workdir)
+    model, restored, _ = model_loading.restore_model(workdir, step=step)
+    assert step is None or restored == step
     return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -287,9 +289,6 @@ def test_resume_after_sigkill_and_a_truncated_checkpoint_matches_the_uninterrupt
 def test_a_run_stopped_at_a_step_is_the_whole_runs_checkpoint_of_that_step(straight_run, data, tmp_path):
     """train.stop_at=4 of a 6-step run: the same schedule (the same lr at each step), losses and parameters as the
     straight run's first 4 steps, and no step after."""
-    from flax import nnx
-    from sweet_jax.train import model_loading
-
     workdir = tmp_path / "stopped"
     run_train(workdir, data, "--config.data.eval_fraction=0.2", "--config.train.stop_at=4")
     assert steps_on_disk(workdir) == [2, 4]
@@ -298,9 +297,7 @@ def test_a_run_stopped_at_a_step_is_the_whole_runs_checkpoint_of_that_step(strai
     assert [r["step"] for r in stopped] == [1, 2, 3, 4]
     for a, b in zip(stopped, straight):
         assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}, a["step"]
-    model, step, _ = model_loading.restore_model(straight_run, step=4)
-    assert step == 4
-    reference = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    reference = trained_params(straight_run, step=4)
     params = trained_params(workdir)
     assert params.keys() == reference.keys()
     for k in params:
