@@ -304,6 +304,16 @@ def test_a_run_stopped_at_a_step_is_the_whole_runs_checkpoint_of_that_step(strai
         np.testing.assert_array_equal(params[k], reference[k], err_msg=str(k))
 
 
+def test_a_stop_past_the_last_step_is_refused_before_the_model_is_built(data, tmp_path):
+    from sweet_jax.train import trainer
+
+    config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
+                         data__bucket=256, train__batch_size=4, train__num_steps=3, train__stop_at=5)
+    with pytest.raises(trainer.TrainConfigError, match=r"train.stop_at=5 is past the run's last step \(3\)"):
+        trainer.run(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.slow
 def test_a_batch_the_configured_mesh_cannot_split_trains_on_a_chosen_mesh(data, tmp_path, caplog):
     """FSDP over the 8 devices (the presets' (1, -1, 1)) cannot split a batch of 4 pairs: the trainer runs on

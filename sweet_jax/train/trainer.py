@@ -191,6 +191,9 @@ class Trainer:
             config, pad_id=pad_id(tokenizer), process_index=data_index, process_count=data_count, **kwargs)
         self.total_steps = (config.train.num_steps if config.train.num_steps > 0
                             else config.train.epochs * self.make_batches(train_set).steps_per_epoch)
+        if config.train.get("stop_at", 0) > self.total_steps:
+            raise TrainConfigError(f"train.stop_at={config.train.stop_at} is past the run's last step "
+                                   f"({self.total_steps}): stop at or before it, or raise train.num_steps")
         return train_set, eval_set
 
     def build_steps(self, tokenizer, mesh_scope: contextlib.ExitStack) -> None:
@@ -310,7 +313,7 @@ class Trainer:
         """Train to total_steps (or train.stop_at, on the same schedule): a metrics line per step, evals and saves as
         configured; SIGTERM (TPU preemption) or Ctrl-C finishes the step, saves it and raises Preempted."""
         config = self.config
-        end = min(config.train.get("stop_at", 0) or self.total_steps, self.total_steps)
+        end = config.train.get("stop_at", 0) or self.total_steps
         self.history: list[dict] = []
         self.last_eval: dict = {}
         signals = _StopSignals()
