@@ -482,3 +482,42 @@ def test_official_rank_sequence_of_a_message_form_turn_uses_the_prompt_the_candi
                                    use_info=False, style="official", system_prompt="Rules.")
     expected = [tok.bos_token_id] + tok(sampled_from + "The f.", add_special_tokens=False)["input_ids"]
     assert seq.input_ids.tolist() == expected and "Rules." in sampled_from
+
+
+def test_turn_selection_of_a_fraction_takes_the_rows_the_official_file_would_give_whatever_the_layout():
+    """sample_best_of_n.py --data_fraction f keeps data[:int(len(data) * f)] of a file whose row b * N + i is sample
+    b of task i: one trajectory of each of the first tasks. Our rollouts write the k samples of a task on
+    consecutive rows; the selection must take the same (task, sample) trajectories from either file."""
+    from sweet_jax.rl import ranking
+
+    n_tasks, k = 20, 3
+
+    def trajectory(i, b):
+        task = {"problem_description": f"Task {i}: write f(x).", "ground_truth": f"def f(x):\n    return x + {i}",
+                "test_cases": {"a": "f(1)"}}
+        dialogue = [{"role": "user", "content": task["problem_description"]},
+                    {"role": "assistant", "content": f"Sample {b}: what should f add?"},
+                    {"role": "user", "content": f"It adds {i}."},
+                    {"role": "assistant", "content": f"I WANT TO ANSWER:\ndef f(x):\n    return x + {i}"}]
+        return Trajectory.from_json({"task": task, "dialogue_history": dialogue, "reward": 1.0})
+
+    official_rows = [(i, b) for b in range(k) for i in range(n_tasks)]      # row b * N + i
+    by_task_rows = [(i, b) for i in range(n_tasks) for b in range(k)]       # ours
+    for fraction in (0.1, 0.25, 0.5):
+        want = official_rows[:int(len(official_rows) * fraction)]           # the official script's slice
+        for rows in (official_rows, by_task_rows):
+            prompts = ranking.turn_prompts([trajectory(i, b) for i, b in rows])
+            picked = ranking.select_turn_prompts(prompts, "trajectories", max_prompts=0, data_fraction=fraction,
+                                                 seed=0)
+            got = sorted({rows[p.trajectory_index] for p in picked})
+            assert got == sorted(want)
+            assert len(picked) == 2 * len(want)     # every turn of each kept trajectory
+
+    # tasks: every turn of every trajectory of a seeded fraction of the tasks
+    prompts = ranking.turn_prompts([trajectory(i, b) for i, b in by_task_rows])
+    picked = ranking.select_turn_prompts(prompts, "tasks", max_prompts=0, data_fraction=0.25, seed=4)
+    kept = {by_task_rows[p.trajectory_index][0] for p in picked}
+    assert len(kept) == 5 and len(picked) == 5 * k * 2
+    assert picked == ranking.select_turn_prompts(prompts, "tasks", max_prompts=0, data_fraction=0.25, seed=4)
+    other = ranking.select_turn_prompts(prompts, "tasks", max_prompts=0, data_fraction=0.25, seed=5)
+    assert {by_task_rows[p.trajectory_index][0] for p in other} != kept

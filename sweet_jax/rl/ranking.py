@@ -103,14 +103,33 @@ def turn_prompts(trajectories: Sequence[Any]) -> list[TurnPrompt]:
     return prompts
 
 
-TURN_SELECTIONS = ("sample", "trajectories", "balanced")
+TURN_SELECTIONS = ("sample", "trajectories", "tasks", "balanced")
+
+
+def official_order(prompts: Sequence[TurnPrompt]) -> list[int]:
+    """The trajectory indices of `prompts` in the official offline file's order: block b holds the b-th trajectory
+    of every task, tasks in the order they first appear (colbench_code_offline_15k_llama8b.jsonl: row b * N + i is
+    sample b of task i). A file written that way keeps its order; one written task by task (ours: the k samples of a
+    task on consecutive rows) is read as the official one would be laid out, so that its first fraction spans tasks."""
+    first_seen: dict[str, int] = {}
+    samples: dict[str, int] = {}
+    place = {}   # trajectory index -> (its sample number within its task, its task's first appearance)
+    for index, task in sorted({p.trajectory_index: p.task_key for p in prompts}.items()):
+        place[index] = (samples.get(task, 0), first_seen.setdefault(task, len(first_seen)))
+        samples[task] = place[index][0] + 1
+    return sorted(place, key=place.__getitem__)
 
 
 def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data_fraction: float, seed: int,
                         tasks: Sequence[dict] | None = None, field: str = "rank") -> list:
-    """sample: a seeded sample of max_prompts; trajectories: every turn of the first data_fraction of the
-    trajectories (the official rule), capped at max_prompts; balanced: a seeded sample of max_prompts, of which
-    those where every value is known (synthetic tasks, `tasks` by trajectory index) make up to half."""
+    """Which turn prompts get candidates:
+    sample        a seeded sample of max_prompts;
+    trajectories  every turn of the first data_fraction of the trajectories in the official file's order
+                  (official_order: one trajectory of each of many tasks, as the official sample_best_of_n.py
+                  --data_fraction reads its file), capped at max_prompts;
+    tasks         every turn of every trajectory of a seeded data_fraction of the tasks;
+    balanced      a seeded sample of max_prompts, of which those where every value is known (synthetic tasks,
+                  `tasks` by trajectory index) make up to half."""
     if selection not in TURN_SELECTIONS:
         raise RankError(f"{field}.turn_selection={selection!r}: use one of {', '.join(TURN_SELECTIONS)}")
     rng = np.random.default_rng(seed)
@@ -120,14 +139,21 @@ def select_turn_prompts(prompts: list, selection: str, *, max_prompts: int, data
             return items
         return [items[i] for i in sorted(rng.choice(len(items), n, replace=False))]
 
-    if selection == "trajectories":
+    if selection in ("trajectories", "tasks"):
         if not 0.0 < data_fraction <= 1.0:
             raise RankError(f"{field}.data_fraction={data_fraction}: use a fraction in (0, 1]")
-        count = len({p.trajectory_index for p in prompts})
-        kept = [p for p in prompts if p.trajectory_index < int(count * data_fraction)]
+        if selection == "trajectories":
+            order = official_order(prompts)
+            chosen = set(order[:int(len(order) * data_fraction)])
+            what = f"{len(order)} trajectories"
+        else:
+            keys = sorted({p.task_key for p in prompts})
+            count = int(len(keys) * data_fraction)
+            chosen = set(sample(keys, count)) if count else set()
+            what = f"{len(keys)} tasks"
+        kept = [p for p in prompts if (p.trajectory_index if selection == "trajectories" else p.task_key) in chosen]
         if not kept:
-            raise RankError(f"{field}.data_fraction={data_fraction} of {count} trajectories keeps none; "
-                            "raise it")
+            raise RankError(f"{field}.data_fraction={data_fraction} of {what} keeps none; raise it")
         return kept[:max_prompts] if max_prompts else kept
     if selection == "balanced":
         if tasks is None:
