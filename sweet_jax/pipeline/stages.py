@@ -31,7 +31,7 @@ from sweet_jax.data.loading import load_records
 from sweet_jax.data.pairs import trajectory_pairs
 from sweet_jax.data.schema import CandidatesRecord, PolicyPair
 from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
-from sweet_jax.envs import synthetic
+from sweet_jax.envs import families
 from sweet_jax.envs.frontend import FrontendTrack, frontend_evaluation, scripted_design_trajectories
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
@@ -46,7 +46,8 @@ from sweet_jax.train.rundir import CHECKPOINT_DIR
 log = logging.getLogger("sweet_jax.pipeline")
 
 DONE = "done.json"
-ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_balanced", "sweet_iterative")
+ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_oracle", "sweet_balanced",
+               "sweet_iterative")
 
 
 class PipelineError(SweetJaxError):
@@ -192,9 +193,10 @@ def methods_of(config) -> list[str]:
 
 def stage_tasks(run: Run, d: pathlib.Path) -> dict:
     t = run.config.tasks
+    if t.source == "synthetic" and draw_of(run.config) == "seeded":
+        return write_task_splits(d, *seeded_draw(run.config), source=t.source)
     if t.source == "synthetic":
-        tasks = synthetic.make_tasks(t.num_train + t.num_heldout, seed=t.seed, min_keys=t.min_keys,
-                                     max_keys=t.max_keys)
+        tasks = synthetic_tasks(run.config, t.num_train + t.num_heldout, seed=t.seed)
         rng = random.Random(t.seed)
         rng.shuffle(tasks)
         train, heldout = tasks[:t.num_train], tasks[t.num_train:]
@@ -217,6 +219,11 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
     if t.source != "synthetic":
         taken = {x["ground_truth"] for x in validation}
         train = [x for x in train if x["ground_truth"] not in taken]
+    return write_task_splits(d, train, heldout, validation, source=t.source)
+
+
+def write_task_splits(d: pathlib.Path, train: list[dict], heldout: list[dict], validation: list[dict], *,
+                      source: str) -> dict:
     if not train or not heldout:
         raise PipelineError(f"tasks: {len(train)} training and {len(heldout)} held-out tasks; both must be > 0 "
                             "(config.tasks.num_train / num_heldout / heldout_path)")
@@ -224,7 +231,49 @@ def stage_tasks(run: Run, d: pathlib.Path) -> dict:
     write_jsonl(d / "heldout.jsonl", heldout)
     if validation:
         write_jsonl(d / "validation.jsonl", validation)
-    return {"train": len(train), "heldout": len(heldout), "validation": len(validation), "source": t.source}
+    return {"train": len(train), "heldout": len(heldout), "validation": len(validation), "source": source}
+
+
+TASK_DRAWS = ("fixed", "seeded")
+
+
+def draw_of(config) -> str:
+    """config.tasks.draw: fixed (the same tasks for every run seed: tasks.seed, tasks.validation_seed) or seeded
+    (each run seed draws its own training, validation and held-out tasks; seeded_draw)."""
+    draw = config.tasks.get("draw", "fixed")
+    if draw not in TASK_DRAWS:
+        raise PipelineError(f"config.tasks.draw={draw!r}: use one of {', '.join(TASK_DRAWS)}")
+    return draw
+
+
+def family_of(config) -> str:
+    """config.tasks.family of a synthetic run (lookup or discovery, envs/families.py)."""
+    name = config.tasks.get("family", "lookup")
+    if name not in families.FAMILIES:
+        raise PipelineError(f"config.tasks.family={name!r}: use one of {', '.join(families.FAMILIES)}")
+    return name
+
+
+def synthetic_tasks(config, num_tasks: int, *, seed: int) -> list[dict]:
+    t = config.tasks
+    return families.make_tasks(family_of(config), num_tasks, seed=seed, min_keys=t.min_keys, max_keys=t.max_keys)
+
+
+def seeded_draw(config) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, held-out, validation) of run seed config.seed: tasks.num_train + num_heldout + num_validation
+    distinct tasks of the family drawn with seed tasks.seed + 1000 * seed, none sharing a reference solution with
+    a demonstration task (those come from a fixed seed, so every run seed starts from the same policy), split in
+    that order. docs/discovery.md, "The protocol"."""
+    t = config.tasks
+    demos = {x["ground_truth"] for x in demonstration_pool(config, 0)}
+    wanted = t.num_train + t.num_heldout + t.get("num_validation", 0)
+    pool = [x for x in synthetic_tasks(config, wanted + len(demos), seed=t.seed + 1000 * config.seed)
+            if x["ground_truth"] not in demos][:wanted]
+    if len(pool) < wanted:
+        raise PipelineError(f"tasks: only {len(pool)} tasks of family {family_of(config)} outside the demonstrations; "
+                            f"lower tasks.num_train / num_heldout / num_validation")
+    return (pool[:t.num_train], pool[t.num_train:t.num_train + t.num_heldout],
+            pool[t.num_train + t.num_heldout:])
 
 
 def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dict]:
@@ -238,8 +287,7 @@ def validation_tasks(config, train: list[dict], heldout: list[dict]) -> list[dic
     if t.source == "synthetic":
         taken = {x["ground_truth"] for x in train + heldout}
         taken |= {x["ground_truth"] for x in demonstration_pool(config, len(taken))}
-        pool = synthetic.make_tasks(t.num_validation + len(taken), seed=t.validation_seed, min_keys=t.min_keys,
-                                    max_keys=t.max_keys)
+        pool = synthetic_tasks(config, t.num_validation + len(taken), seed=t.validation_seed)
         return [x for x in pool if x["ground_truth"] not in taken][:t.num_validation]
     if t.num_validation >= len(train):
         raise PipelineError(f"config.tasks.num_validation={t.num_validation} leaves no training task of "
@@ -393,10 +441,10 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
         taken = {t["ground_truth"] for split in ("train", "heldout") for t in load_task_split(run, split)}
         demo_tasks = [t for t in demonstration_pool(config, len(taken))
                       if t["ground_truth"] not in taken][:config.init.num_tasks]
-    demos = synthetic.scripted_trajectories(demo_tasks, seed=config.init.seed,
-                                            per_task=config.init.demos_per_task,
-                                            policy_weights=_policy_weights(config.init.policy_weights),
-                                            evaluator=run.evaluator)
+    demos = families.scripted_trajectories(family_of(config), demo_tasks, seed=config.init.seed,
+                                           per_task=config.init.demos_per_task,
+                                           policy_weights=_policy_weights(config.init.policy_weights),
+                                           evaluator=run.evaluator, max_turns=config.collect.max_turns)
     write_jsonl(d / "demos.jsonl", demos)
     # SFT imitates every demonstration, good and bad (that is what makes the policy weak and varied); the
     # trainer's SFT kind (rft) keeps reward 1.0 rows, so the SFT copy marks every row as a target.
@@ -428,11 +476,12 @@ def stage_init(run: Run, d: pathlib.Path) -> dict:
 
 def demonstration_pool(config, num_taken: int) -> list[dict]:
     """The synthetic tasks the starting policy's demonstrations are drawn from (the first init.num_tasks of them
-    that are neither training nor held-out tasks, num_taken of which there are)."""
+    that are neither training nor held-out tasks, num_taken of which there are; with seeded draws exactly
+    init.num_tasks, which the run seeds' draws avoid)."""
     if config.init.kind != "sft" or not config.init.num_tasks:
         return []
-    return synthetic.make_tasks(config.init.num_tasks + num_taken, seed=config.init.seed + 7919,
-                                min_keys=config.tasks.min_keys, max_keys=config.tasks.max_keys)
+    extra = 0 if draw_of(config) == "seeded" else num_taken
+    return synthetic_tasks(config, config.init.num_tasks + extra, seed=config.init.seed + 7919)
 
 
 def _tiny_llama_config(config, tokenizer_dir: str):
@@ -478,9 +527,10 @@ def stage_offline(run: Run, d: pathlib.Path, policy_hf: str) -> dict:
             if c.tasks.source != "synthetic":
                 raise PipelineError("config.collect.scripted_per_task > 0 needs the synthetic tasks (their scripted "
                                     "agents); set it to 0 with tasks.source='files'")
-            scripted = synthetic.scripted_trajectories(
-                load_task_split(run, "train"), seed=c.seed + 1, per_task=c.collect.scripted_per_task,
-                policy_weights=_policy_weights(c.init.policy_weights), evaluator=run.evaluator)
+            scripted = families.scripted_trajectories(
+                family_of(c), load_task_split(run, "train"), seed=c.seed + 1, per_task=c.collect.scripted_per_task,
+                policy_weights=_policy_weights(c.init.policy_weights), evaluator=run.evaluator,
+                max_turns=c.collect.max_turns)
             trajs += [dict(t, scripted=True) for t in scripted]
         write_jsonl(out, trajs)
         summary = dict(summarize([t for t in trajs if not t.get("scripted")]), scripted=len(trajs) - len(
@@ -561,21 +611,26 @@ def stage_candidates(run: Run, d: pathlib.Path, policy_hf: str, trajectories: st
             "mean_distinct_per_prompt": float(distinct)}
 
 
-def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajectories: str, candidates: str,
-               *, use_info: bool, balanced: bool = False) -> dict:
-    c = run.config
-    prompts = ranked_prompts(run, trajectories, balanced=balanced)
+def recorded_candidates(prompts, candidates: str) -> Callable:
+    """sample_fn over the candidates stage's file: the candidates were sampled once, for every ranking."""
     by_key = {r.key: r for r in load_records(candidates, CandidatesRecord)}
     missing = [p.key for p in prompts if p.key not in by_key]
     if missing:
         raise PipelineError(f"{candidates} lacks the candidates of {len(missing)} turn(s) (first {missing[0]}); "
                             f"delete {pathlib.Path(candidates).parent} so the candidates stage runs again")
 
-    def sample_fn(batch):  # the candidates were sampled once, for both rankings
+    def sample_fn(batch):
         return [ranking.Candidates(list(by_key[p.key].texts), np.asarray(by_key[p.key].sampler_logp),
                                    by_key[p.key].prompt_text, prompt_ids=by_key[p.key].prompt_ids,
                                    token_ids=by_key[p.key].token_ids) for p in batch]
+    return sample_fn
 
+
+def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajectories: str, candidates: str,
+               *, use_info: bool, balanced: bool = False) -> dict:
+    c = run.config
+    prompts = ranked_prompts(run, trajectories, balanced=balanced)
+    sample_fn = recorded_candidates(prompts, candidates)
     dtype = c.model.dtype if c.model.dtype != "float32" else None
     critic_logp, reference_logp = ranking.critic_scorers(
         critic_hf, policy_hf, load_tokenizer(run.tokenizer_dir), rank_reference=c.rank.rank_reference, dtype=dtype,
@@ -591,6 +646,33 @@ def stage_rank(run: Run, d: pathlib.Path, policy_hf: str, critic_hf: str, trajec
         raise PipelineError(f"{out}: no step-level pairs (every turn's candidates tied); raise "
                             "config.rank.num_candidates or config.rank.temperature")
     return dict(result, pairs=len(pairs), use_info=use_info, file=str(out))
+
+
+def stage_rank_oracle(run: Run, d: pathlib.Path, trajectories: str, candidates: str) -> dict:
+    """The oracle-ranked control (method sweet_oracle): SWEET-RL's turn prompts and candidates, each candidate scored
+    by the synthetic oracle's worth (rl/diagnostics.reply_worth, the task family's) instead of the critic's
+    advantage, and paired by the same rule: what step-level pairs can do on a task family at best."""
+    c = run.config
+    if c.tasks.source != "synthetic":
+        raise PipelineError("method sweet_oracle ranks with the synthetic tasks' oracle: it needs "
+                            "config.tasks.source='synthetic'")
+    prompts = ranked_prompts(run, trajectories)
+    tasks = [t["task"] for t in jsonl.read(trajectories)]
+
+    def worth(items):
+        return np.array([diagnostics_lib.reply_worth(tasks[p.trajectory_index], p.messages, text,
+                                                     max_turns=c.collect.max_turns) for p, text in items])
+
+    out = d / "pairs.jsonl"
+    result = ranking.rank_turns(prompts, recorded_candidates(prompts, candidates), worth, None, out,
+                                rank_reference="none", num_pairs=c.rank.num_pairs, seed=c.seed,
+                                prompts_per_batch=c.rank.prompts_per_batch, progress=True,
+                                pairing=c.rank.get("pairing", "strict"), scores_path=d / "scores.jsonl")
+    pairs = load_records(out, PolicyPair) if out.exists() else []
+    if not pairs:
+        raise PipelineError(f"{out}: no step-level pairs (every turn's candidates are worth the same to the oracle; "
+                            "config.rank.pairing='official' pairs ties too)")
+    return dict(result, pairs=len(pairs), file=str(out))
 
 
 def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
@@ -612,7 +694,7 @@ def pair_agreement(pairs_a: str, pairs_b: str, candidates: str) -> float | None:
 
 def policy_train_config(run: Run, method: str, policy_hf: str, *, trajectories: str = "", pairs: str = ""):
     c = run.config
-    if method in ("sweet", "sweet_no_info", "sweet_balanced"):
+    if method in ("sweet", "sweet_no_info", "sweet_balanced", "sweet_oracle"):
         return train_config(c, kind="dpo", stage=c.sweet, model_path=policy_hf, tokenizer=run.tokenizer_dir,
                             pairs=pairs, seed_offset=2)
     if method == "mtdpo":
@@ -750,6 +832,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         "policy_pairs": s.get("rank", {}).get("pairs"),
         "policy_pairs_no_info": s.get("rank_no_info", {}).get("pairs"),
         "policy_pairs_balanced": s.get("rank_balanced", {}).get("pairs"),
+        "policy_pairs_oracle": s.get("rank_oracle", {}).get("pairs"),
         "pair_agreement": s.get("pair_agreement"),
         # every stage's own wall-clock time, summed over the invocations that ran them (resumes included)
         "minutes": sum(r["seconds"] for r in records) / 60.0,
@@ -768,7 +851,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         model = f"tiny Llama (h{m.hidden_size}, {m.num_layers} layers), SFT start"
     elif c.init.path:
         model = pathlib.Path(c.init.path).name
-    task = {"synthetic": "synthetic lookup tasks", "frontend_files": "ColBench frontend design"}.get(
+    task = {"synthetic": f"synthetic {family_of(c)} tasks", "frontend_files": "ColBench frontend design"}.get(
         c.tasks.source, "ColBench backend")
     results = {
         "preset": c.preset, "seed": c.seed, "task": task, "track": c.get("track", "backend"), "model": model,
@@ -805,6 +888,9 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
     check_stages(config, PipelineError)
     policy_backend.check_backend(config.policy.backend, "config.policy.backend")
     methods = methods_of(config)
+    if config.tasks.source == "synthetic":   # the task family and draw, before any stage
+        draw_of(config)
+        family_of(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _check_same_config(config, workdir, accept_change=accept_config_change)
@@ -826,10 +912,13 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
             if needs[name]:
                 s[name] = run.stage(name, name, lambda d, u=use_info: stage_critic(run, d, policy_hf, traj,
                                                                                    use_info=u))
-        if any(needs.values()):
+        if any(needs.values()) or "sweet_oracle" in methods:
             s["candidates"] = run.stage("candidates", "candidates",
                                         lambda d: stage_candidates(run, d, policy_hf, traj))
             cands = str(run.path("candidates", "candidates.jsonl"))
+            if "sweet_oracle" in methods:
+                s["rank_oracle"] = run.stage("rank_oracle", "rank_oracle", lambda d: stage_rank_oracle(
+                    run, d, traj, cands))
             for name, critic, use_info in (("rank", "critic", True), ("rank_no_info", "critic_no_info", False)):
                 if needs[critic]:
                     s[name] = run.stage(name, name, lambda d, cr=critic, u=use_info: stage_rank(
@@ -851,8 +940,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         for m in methods:
             if m in ("zero_shot", "sweet_iterative"):
                 continue
-            pairs = s.get({"sweet": "rank", "sweet_balanced": "rank_balanced"}.get(m, "rank_no_info"), {}).get(
-                "file", "")
+            pairs = s.get({"sweet": "rank", "sweet_balanced": "rank_balanced", "sweet_oracle": "rank_oracle"}.get(
+                m, "rank_no_info"), {}).get("file", "")
             if grid is None:
                 s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
                     run, d, m, policy_hf, trajectories=traj, pairs=p))
@@ -941,6 +1030,17 @@ def write_evidence(run: Run, out: pathlib.Path) -> None:
             write_jsonl(out / f"scores_{name}.jsonl", [rows[k] for k in sorted(rows)])
     if synthetic:
         write_json(out / "behaviour.json", diagnostics_lib.behaviour_diagnostics(run.workdir))
+    write_json(out / "episodes.json", heldout_episodes(run.workdir))
+
+
+def heldout_episodes(workdir: pathlib.Path) -> dict:
+    """Every held-out episode's reward, per method: {method: [[task index, sample, reward], ...]}, the records
+    pipeline_report's paired per-task intervals read."""
+    out = {}
+    for path in sorted(workdir.glob("eval/*/trajectories.jsonl")):
+        out[path.parent.name] = [[r["rollout"]["task_index"], r["rollout"]["sample"], r.get("reward")]
+                                 for r in jsonl.read(path)]
+    return out
 
 
 def iterate_sweet(run: Run, s: dict, grid: Grid | None, selection: dict, round1_hf: str, offline: str):

@@ -16,6 +16,9 @@ So at a state where every value is known a correct answer (1.0) beats a repeated
 a question that learns a new value beats one that learns none, and no question is worth more than the turn limit
 lets it be. TURN_COST (0.01) is below any reward difference (1/n >= 1/4 over at most 10 turns), so it only breaks
 ties between replies that reach the same reward.
+
+A task of the discovery family (envs/discovery.py, docs/discovery.md) has its own oracle, kinds and states, by the
+same definition; reply_worth, reply_kind and turn_state pick the task's family. max_turns=None: the family's limit.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import Sequence
 from sweet_jax import jsonl
 from sweet_jax.data.loading import load_records
 from sweet_jax.data.schema import PolicyPair
-from sweet_jax.envs import ANSWER_MARKER, synthetic
+from sweet_jax.envs import ANSWER_MARKER, discovery, synthetic
 
 TURN_COST = 0.01
 MAX_TURNS = 10          # the environment's default turn limit (envs.ColBenchEnv)
@@ -56,7 +59,10 @@ def agent_turn(prompt_messages: Sequence[dict]) -> int:
     return 1 + sum(m["role"] == "assistant" for m in prompt_messages)
 
 
-def reply_worth(task, prompt_messages: Sequence[dict], reply: str, *, max_turns: int = MAX_TURNS) -> float:
+def reply_worth(task, prompt_messages: Sequence[dict], reply: str, *, max_turns: int | None = None) -> float:
+    if discovery.is_task(task):
+        return discovery.reply_worth(task, prompt_messages, reply, max_turns=max_turns or discovery.MAX_TURNS)
+    max_turns = max_turns or MAX_TURNS
     truth = synthetic.hidden_constants(task)
     n = len(truth)
     if not n:
@@ -77,7 +83,9 @@ def reply_worth(task, prompt_messages: Sequence[dict], reply: str, *, max_turns:
 def reply_kind(task, prompt_messages: Sequence[dict], reply: str) -> str:
     """What a reply does, in the oracle's terms: answer_correct / answer_wrong (every value right or not);
     question_new (learns a value not yet stated), question_repeat (names only stated keys), question_other
-    (names no key of the task)."""
+    (names no key of the task). A discovery task's kinds: discovery.reply_kind."""
+    if discovery.is_task(task):
+        return discovery.reply_kind(task, prompt_messages, reply)
     truth = synthetic.hidden_constants(task)
     if ANSWER_MARKER in reply:
         written = synthetic.hidden_constants({"ground_truth": reply.split(ANSWER_MARKER, 1)[1]})
@@ -90,12 +98,15 @@ def reply_kind(task, prompt_messages: Sequence[dict], reply: str) -> str:
 
 def turn_state(task, prompt_messages: Sequence[dict]) -> dict:
     """Where a turn prompt stands: its agent turn index, how many of the task's values are known, and
-    `all_known` (every value stated: answering is right now)."""
+    `all_known` (every value stated: answering is right now); a discovery task's also counts the hidden keys not
+    yet discovered."""
+    if discovery.is_task(task):
+        return discovery.turn_state(task, prompt_messages)
     n, known = len(synthetic.hidden_constants(task)), len(known_keys(task, prompt_messages))
     return {"turn": agent_turn(prompt_messages), "known": known, "keys": n, "all_known": known == n}
 
 
-def pair_evidence(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS) -> list[dict]:
+def pair_evidence(pairs_path, trajectories_path, *, max_turns: int | None = None) -> list[dict]:
     """Every pair of a ranking (rank*/pairs.jsonl) with what explains it: the state of its turn prompt, the kind
     and oracle worth of each reply, the critic's scores and the oracle's verdict (agree / disagree / tie)."""
     trajs = jsonl.read(trajectories_path)
@@ -113,7 +124,7 @@ def pair_evidence(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS) 
     return rows
 
 
-def pair_oracle_agreement(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS) -> dict:
+def pair_oracle_agreement(pairs_path, trajectories_path, *, max_turns: int | None = None) -> dict:
     """Share of a ranking's pairs whose chosen reply the oracle also prefers (ties counted apart)."""
     verdicts = [r["verdict"] for r in pair_evidence(pairs_path, trajectories_path, max_turns=max_turns)]
     agree, disagree = verdicts.count("agree"), verdicts.count("disagree")
@@ -125,7 +136,7 @@ def _coarse(kind: str) -> str:
     return kind.split("_")[0]
 
 
-def pair_kinds(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS, fine: bool = False) -> dict:
+def pair_kinds(pairs_path, trajectories_path, *, max_turns: int | None = None, fine: bool = False) -> dict:
     """The oracle's verdicts by the kinds of the two replies ("question over answer": {"agree": .., "disagree":
     .., "tie": ..}, chosen first; `fine` uses reply_kind's five kinds) and by the prompt's state ("all values
     known" / "some unknown"): which decisions the ranking makes, and which it gets right."""
@@ -140,7 +151,7 @@ def pair_kinds(pairs_path, trajectories_path, *, max_turns: int = MAX_TURNS, fin
     return dict(sorted(out.items()))
 
 
-def annotate_scores(row: dict, trajectories: Sequence[dict], *, max_turns: int = MAX_TURNS) -> dict:
+def annotate_scores(row: dict, trajectories: Sequence[dict], *, max_turns: int | None = None) -> dict:
     """A ranking's scores line (one turn's candidates) with the turn's state and each candidate's kind and
     oracle worth."""
     traj = trajectories[row["trajectory_index"]]
@@ -168,10 +179,12 @@ def prompt_states(prompts: Sequence, trajectories: Sequence[dict]) -> dict:
 def policy_behaviour(trajectories: Sequence[dict]) -> dict:
     """What a policy does on the synthetic tasks, from its episodes (scripted ones, marked `scripted`, left
     out): does it ask about the task's keys, does it answer, and does its answer copy the values the user
-    stated (copy accuracy) or guess right the ones never asked (chance: 10%)?"""
+    stated (copy accuracy) or guess right the ones never asked (chance: 10%)? And how many replies of each of the
+    oracle's kinds an episode holds (reply_kind; the discovery family's discovery and untested-key questions)."""
     episodes = [t for t in trajectories if not t.get("scripted")]
     questions = on_task = off_task = answers = 0
     keys_total = keys_written = stated = copied = unstated = guessed = 0
+    kinds: dict[str, int] = {}
     for t in episodes:
         task = t["task"]
         truth, theme_keys = synthetic.hidden_constants(task), synthetic.task_theme(task).keys
@@ -181,6 +194,8 @@ def policy_behaviour(trajectories: Sequence[dict]) -> dict:
                 if i > 0:
                     told |= _named(turn["content"], truth)
                 continue
+            kind = reply_kind(task, t["dialogue_history"][:i], turn["content"])
+            kinds[kind] = kinds.get(kind, 0) + 1
             if ANSWER_MARKER in turn["content"]:
                 answers += 1
                 written = synthetic.hidden_constants({"ground_truth": turn["content"].split(ANSWER_MARKER, 1)[1]})
@@ -207,7 +222,8 @@ def policy_behaviour(trajectories: Sequence[dict]) -> dict:
             "episodes_with_answer_pct": pct(answers, len(episodes)),
             "answer_key_coverage_pct": pct(keys_written, keys_total),
             "copy_accuracy_pct": pct(copied, stated), "stated_keys_pct": pct(stated, keys_total),
-            "guess_accuracy_pct": pct(guessed, unstated)}
+            "guess_accuracy_pct": pct(guessed, unstated),
+            "replies_per_episode": {k: kinds[k] / len(episodes) for k in sorted(kinds)}}
 
 
 def behaviour_diagnostics(workdir) -> dict:
@@ -226,8 +242,8 @@ def behaviour_diagnostics(workdir) -> dict:
 
 
 # The rankings of the offline episodes a pipeline run may hold (its stage directories): with c, without c, on
-# prompts balanced by state.
-RANKINGS = ("rank", "rank_no_info", "rank_balanced")
+# prompts balanced by state, by the oracle (the control).
+RANKINGS = ("rank", "rank_no_info", "rank_balanced", "rank_oracle")
 
 
 def _rounds(workdir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:

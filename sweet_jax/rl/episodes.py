@@ -38,7 +38,7 @@ from sweet_jax.envs import (AGENT_PROMPT, ColBenchEnv, ModelSimulator, NO_ANSWER
                             Simulator, SimulatorError, task_field, task_json)
 from sweet_jax.envs.frontend import FRONTEND_AGENT_PROMPT, FrontendEnv, FrontendTrack
 from sweet_jax.envs.prompts import SIMULATOR_PROMPT, load_prompt
-from sweet_jax.envs.synthetic import simulator_reply
+from sweet_jax.envs.families import simulator_reply
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sampling import generate, policy_backend
 from sweet_jax.sampling.base import BaseSampler
@@ -326,7 +326,7 @@ def make_simulator(s, *, seed: int = 0, policy_sampler=None, load_sampler: Calla
                    backoff_s, concurrency, max_tokens)
       model        a sweet_jax model in this process: load_sampler() when s.path is set, else policy_sampler
       scripted, hidden_info   replies with the hidden information
-      synthetic    the synthetic task family's scripted human (data/synthetic.simulator_reply)
+      synthetic    the synthetic task families' scripted human (envs/families.simulator_reply: the task's own)
     s.prompt_path: a template file over {problem_description} {hidden_information} {dialogue_history}."""
     template = load_prompt(s.prompt_path, "simulator") if s.get("prompt_path") else SIMULATOR_PROMPT
     if s.kind == "openai":

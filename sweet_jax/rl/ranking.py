@@ -405,6 +405,8 @@ def candidate_advantages(prompts: Sequence[TurnPrompt], candidates: Sequence[Can
         reference = np.asarray(reference_logp(items), np.float64)
     elif rank_reference == "sampler":
         reference = np.concatenate([np.asarray(c.sampler_logp, np.float64) for c in candidates])
+    elif rank_reference == "none":   # the scorer gives the scores themselves (the pipeline's oracle control)
+        reference = np.zeros_like(critic)
     else:
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
     bounds = np.cumsum([len(c.texts) for c in candidates])[:-1]
@@ -443,9 +445,10 @@ def rank_turns(prompts: Sequence[TurnPrompt], sample_fn: Callable[[Sequence[Turn
     """Sample, score and pair every prompt; append the pairs to out_path per batch; return counts.
 
     sample_fn(prompts) -> Candidates per prompt; critic_logp / reference_logp(items) -> [len(items)] mean
-    log-probs (reference_logp unused with rank_reference='sampler'). scores_path, when given, gets a line per
+    log-probs (reference_logp unused with rank_reference='sampler'; with 'none', critic_logp's values are the
+    scores themselves: the pipeline's oracle control). scores_path, when given, gets a line per
     turn with every candidate's critic and reference mean log-probs and advantage (what the pairs came from)."""
-    if rank_reference not in RANK_REFERENCES:
+    if rank_reference not in RANK_REFERENCES + ("none",):
         raise RankError(f"rank_reference={rank_reference!r}: use one of {RANK_REFERENCES}")
     if rank_reference == "ref_with_info" and reference_logp is None:
         raise RankError("rank_reference='ref_with_info' needs a reference model (pi_ref) scorer")

@@ -11,6 +11,7 @@ import numpy as np
 
 from sweet_jax import lazy
 from sweet_jax.errors import SweetJaxError
+from sweet_jax.rl.intervals import intervals_table
 
 # Rows in the paper's order (its Table 1), with the names it uses.
 METHOD_NAMES = {
@@ -19,6 +20,7 @@ METHOD_NAMES = {
     "mtdpo": "Multi-Turn DPO",
     "sweet_no_info": "SWEET-RL w/o training-time information",
     "sweet": "SWEET-RL",
+    "sweet_oracle": "SWEET-RL's pairs ranked by the oracle (control)",
     "sweet_balanced": "SWEET-RL, turn prompts balanced by state (beyond the paper)",
     "sweet_iterative": "SWEET-RL, iterative rounds (beyond the paper)",
 }
@@ -49,6 +51,9 @@ def read_results(workdir) -> dict:
     diagnostics = path.parent / "diagnostics.json"   # `python -m sweet_jax.pipeline_diagnostics RUN --out` beside it
     if diagnostics.exists():
         results["run_diagnostics"] = json.loads(diagnostics.read_text())
+    episodes = path.parent / "evidence" / "episodes.json"   # every held-out episode's reward (pipeline.write_evidence)
+    if episodes.exists():
+        results["episodes"] = json.loads(episodes.read_text())
     return results
 
 
@@ -77,6 +82,10 @@ def results_table(runs: Sequence[dict], *, title: str = "") -> str:
     for m in methods:
         cells = [_cell([r["methods"][m][key] for r in runs if m in r["methods"]]) for key, _ in metrics_of(runs)]
         lines.append(f"| {METHOD_NAMES[m]} | " + " | ".join(cells) + " |")
+    if any(r.get("episodes") for r in runs):
+        intervals = intervals_table([r["episodes"] for r in runs if r.get("episodes")], METHOD_NAMES)
+        if intervals:
+            lines += ["", intervals]
     diag = _diagnostics(runs)
     if diag:
         lines += ["", "| Diagnostics | " + " | ".join(f"seed {s}" for s in seeds) + " |",
@@ -231,6 +240,7 @@ DIAGNOSTICS = (
     ("policy_pairs", "step-level policy pairs (with c)"),
     ("policy_pairs_no_info", "step-level policy pairs (without c)"),
     ("policy_pairs_balanced", "step-level policy pairs (with c, prompts balanced by state)"),
+    ("policy_pairs_oracle", "step-level policy pairs ranked by the oracle (control)"),
     ("pair_agreement", "ranking with c vs without c: same chosen side (%)"),
     ("pair_oracle_agreement", "pairs with c whose chosen reply is truly better (%, synthetic oracle)"),
     ("pair_oracle_agreement_no_info", "pairs without c whose chosen reply is truly better (%)"),
