@@ -34,6 +34,17 @@ METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet")   # the paper'
 # oracle-ranked control), sweet_balanced and sweet_iterative (beyond the paper)
 
 
+def official_ranking(rank) -> None:
+    """SWEET-RL's policy step as the official recipe: every turn of the first 10% of the offline trajectories (in
+    the official file's order), 16 candidates a turn, 4 pairs a turn drawn with replacement, ties allowed."""
+    rank.turn_selection = "trajectories"
+    rank.data_fraction = 0.1
+    rank.max_prompts = 0
+    rank.num_candidates = 16
+    rank.num_pairs = 4
+    rank.pairing = "official"
+
+
 def get_config(preset: str = "demo"):
     if preset not in PRESETS:
         raise ValueError(f"unknown pipeline preset {preset!r}: use one of {', '.join(PRESETS)} "
@@ -282,12 +293,7 @@ def get_config(preset: str = "demo"):
             c.select.lrs = "3e-6,1e-5"
             c.select.steps = "8,16,32"
             c.iterate.rounds = 2
-            c.rank.turn_selection = "trajectories"
-            c.rank.data_fraction = 0.1
-            c.rank.max_prompts = 0
-            c.rank.num_candidates = 16
-            c.rank.num_pairs = 4
-            c.rank.pairing = "official"
+            official_ranking(c.rank)
         if preset in ("smollm2_discovery", "smollm2_lookup"):
             # The comparison that can tell (docs/discovery.md, "The protocol"; written before any of its results):
             # task draws by run seed, 100 held-out tasks x 2 episodes a method and seed, 48 validation tasks x 2
@@ -302,12 +308,7 @@ def get_config(preset: str = "demo"):
             c.eval.samples = 2
             c.select.lrs = "3e-6,1e-5"
             c.select.steps = "8,16"
-            c.rank.turn_selection = "trajectories"
-            c.rank.data_fraction = 0.1
-            c.rank.max_prompts = 0
-            c.rank.num_candidates = 16
-            c.rank.num_pairs = 4
-            c.rank.pairing = "official"
+            official_ranking(c.rank)
             if preset == "smollm2_discovery":
                 c.tasks.family = "discovery"
                 c.collect.max_turns = 4   # the family's budget (envs/discovery.py MAX_TURNS)

@@ -35,15 +35,15 @@ assignment matter in ColBench:
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
 from typing import Any, Mapping, Sequence
 
-from sweet_jax.envs import ColBenchEnv, ScriptedSimulator
 from sweet_jax.envs.prompts import ANSWER_MARKER
 from sweet_jax.envs.synthetic import (THEMES, SyntheticTaskError, Theme, _field, _listing, hidden_constants,
-                                      lookup_code, task_theme)
+                                      lookup_code, scripted_episodes, task_theme)
 
 MAX_TURNS = 4            # agent turns an episode may take; the last reply is the answer
 KEYS_PER_REPLY = 2       # the human states at most two values a reply
@@ -328,31 +328,8 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
                           policy_weights: Mapping[str, float] | None = None, evaluator=None,
                           max_turns: int = MAX_TURNS) -> list[dict]:
     """Episodes of the scripted agents with the scripted human in the real ColBenchEnv (turn limit max_turns),
-    policies drawn by weight; with an `evaluator` (sweet_jax.sandbox.Evaluator) each gets its reward."""
-    weights = dict(policy_weights or {p: 1.0 for p in POLICIES})
-    for name in weights:
-        if name not in POLICIES:
-            raise SyntheticTaskError(f"unknown scripted policy {name!r} in policy_weights; choose from {POLICIES}")
-    names = list(weights)
-    rng = random.Random(seed)
-    simulator = ScriptedSimulator(simulator_reply)
-    out = []
-    for task in tasks:
-        for _ in range(per_task):
-            policy = rng.choices(names, [weights[n] for n in names])[0]
-            env = ColBenchEnv(task, simulator, max_turns=max_turns)
-            for reply in scripted_replies(task, policy, rng, max_turns=max_turns):
-                if env.step(reply):
-                    break
-            record = env.trajectory()
-            record["dialogue_history"] = [{"role": d["role"], "content": d["content"]}
-                                          for d in record["dialogue_history"]]
-            record["scripted_policy"] = policy
-            out.append(record)
-    if evaluator is not None:
-        scores = evaluator.score_many([(t["task"], t["answer"]) for t in out])
-        for t, s in zip(out, scores):
-            if s.status != "ok":
-                raise SyntheticTaskError(f"sandbox infrastructure error while scoring: {s}")
-            t["reward"] = float(s.reward)
-    return out
+    policies drawn by weight, each episode's policy kept (`scripted_policy`); with an `evaluator`
+    (sweet_jax.sandbox.Evaluator) each gets its reward."""
+    return scripted_episodes(tasks, functools.partial(scripted_replies, max_turns=max_turns), simulator_reply,
+                             POLICIES, seed=seed, per_task=per_task, policy_weights=policy_weights,
+                             evaluator=evaluator, max_turns=max_turns, record_policy=True)

@@ -184,24 +184,37 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
     """Episodes of the scripted agent with the scripted human, played in the real ColBenchEnv; policies
     drawn by weight (default: equal). With an `evaluator` (sweet_jax.sandbox.Evaluator) every trajectory
     gets its reward."""
-    weights = dict(policy_weights or {p: 1.0 for p in POLICIES})
+    return scripted_episodes(tasks, scripted_replies, simulator_reply, POLICIES, seed=seed, per_task=per_task,
+                             policy_weights=policy_weights, evaluator=evaluator)
+
+
+def scripted_episodes(tasks: Sequence[Any], replies_of, reply_of_human, policies: Sequence[str], *, seed: int,
+                      per_task: int, policy_weights: Mapping[str, float] | None, evaluator=None,
+                      max_turns: int = 10, record_policy: bool = False) -> list[dict]:
+    """A task family's scripted agents (replies_of(task, policy, rng) -> replies, the last the answer) against its
+    scripted human (reply_of_human(task, dialogue)) in the real ColBenchEnv with max_turns, policies drawn by weight
+    from one seeded stream (default: equal); record_policy keeps each episode's policy name; with an `evaluator`
+    (sweet_jax.sandbox.Evaluator) every trajectory gets its reward."""
+    weights = dict(policy_weights or {p: 1.0 for p in policies})
     for name in weights:
-        if name not in POLICIES:
-            raise SyntheticTaskError(f"unknown scripted policy {name!r} in policy_weights; choose from {POLICIES}")
+        if name not in policies:
+            raise SyntheticTaskError(f"unknown scripted policy {name!r} in policy_weights; choose from {policies}")
     names = list(weights)
     rng = random.Random(seed)
-    simulator = ScriptedSimulator(simulator_reply)
+    simulator = ScriptedSimulator(reply_of_human)
     out = []
     for task in tasks:
         for _ in range(per_task):
             policy = rng.choices(names, [weights[n] for n in names])[0]
-            env = ColBenchEnv(task, simulator)
-            for reply in scripted_replies(task, policy, rng):
+            env = ColBenchEnv(task, simulator, max_turns=max_turns)
+            for reply in replies_of(task, policy, rng):
                 if env.step(reply):
                     break
             record = env.trajectory()
             record["dialogue_history"] = [{"role": d["role"], "content": d["content"]}
                                           for d in record["dialogue_history"]]
+            if record_policy:
+                record["scripted_policy"] = policy
             out.append(record)
     if evaluator is not None:
         scores = evaluator.score_many([(t["task"], t["answer"]) for t in out])
@@ -210,5 +223,3 @@ def scripted_trajectories(tasks: Sequence[Any], *, seed: int = 0, per_task: int 
                 raise SyntheticTaskError(f"sandbox infrastructure error while scoring: {s}")
             t["reward"] = float(s.reward)
     return out
-
-
