@@ -43,7 +43,8 @@ from typing import Any, Mapping, Sequence
 
 from sweet_jax.envs.prompts import ANSWER_MARKER
 from sweet_jax.envs.synthetic import (THEMES, SyntheticTaskError, Theme, _field, _listing, hidden_constants,
-                                      lookup_code, scripted_episodes, task_theme)
+                                      distinct_tasks, lookup_code, scripted_episodes,
+                                      task_theme)
 
 MAX_TURNS = 4            # agent turns an episode may take; the last reply is the answer
 KEYS_PER_REPLY = 2       # the human states at most two values a reply
@@ -95,18 +96,9 @@ def make_task(rng: random.Random, *, max_value: int = 9, themes: Sequence[Theme]
 
 
 def make_tasks(num_tasks: int, *, seed: int = 0, **options) -> list[dict]:
-    """`num_tasks` distinct tasks, deterministic by seed (options: see make_task)."""
-    rng, tasks, seen = random.Random(seed), [], set()
-    for _ in range(100 * num_tasks):
-        if len(tasks) == num_tasks:
-            break
-        task = make_task(rng, **options)
-        if task["problem_description"] + task["ground_truth"] not in seen:
-            seen.add(task["problem_description"] + task["ground_truth"])
-            tasks.append(task)
-    if len(tasks) < num_tasks:
-        raise SyntheticTaskError(f"only {len(tasks)} distinct discovery tasks exist with options {options}")
-    return tasks
+    """`num_tasks` distinct tasks (statement and reference), deterministic by seed (options: see make_task)."""
+    return distinct_tasks(make_task, num_tasks, seed=seed, key=lambda t: t["problem_description"] + t["ground_truth"],
+                          **options)
 
 
 def is_task(task: Any) -> bool:

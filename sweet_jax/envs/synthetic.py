@@ -102,17 +102,22 @@ def make_task(rng: random.Random, *, min_keys: int = 2, max_keys: int = 4, max_v
 
 def make_tasks(num_tasks: int, *, seed: int = 0, **options) -> list[dict]:
     """`num_tasks` distinct tasks of the family, deterministic by seed (options: see make_task)."""
+    return distinct_tasks(make_task, num_tasks, seed=seed, key=lambda t: t["ground_truth"], **options)
+
+
+def distinct_tasks(make_one, num_tasks: int, *, seed: int, key, **options) -> list[dict]:
+    """The first `num_tasks` tasks of make_one(rng, **options) with distinct key(task), from one seeded stream."""
     rng, tasks, seen = random.Random(seed), [], set()
     for _ in range(100 * num_tasks):
         if len(tasks) == num_tasks:
             break
-        task = make_task(rng, **options)
-        if task["ground_truth"] not in seen:
-            seen.add(task["ground_truth"])
+        task = make_one(rng, **options)
+        if key(task) not in seen:
+            seen.add(key(task))
             tasks.append(task)
     if len(tasks) < num_tasks:
         raise SyntheticTaskError(f"only {len(tasks)} distinct synthetic tasks exist with options {options}; "
-                                 f"ask for fewer or widen min_keys/max_keys/max_value")
+                                 f"ask for fewer or change the options")
     return tasks
 
 
