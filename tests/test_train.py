@@ -166,6 +166,27 @@ def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_
     assert json.loads((workdir / "summary.json").read_text())["peak_flops"] == peak
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shorter, field", [(f"--config.train.num_steps={STEPS - 2}", f"train.num_steps={STEPS - 2}"),
+                                            ("--config.train.stop_at=4", "train.stop_at=4")])
+def test_resuming_a_run_past_its_new_last_step_is_refused_naming_both_steps(straight_run, data, tmp_path, shorter,
+                                                                            field):
+    """A run that reached step 6, resumed with 4 steps (or told to stop at 4), would stop at once and write a
+    summary of 6 steps for a 4-step run: one line naming both numbers, exit 2, the run's files untouched. (The
+    control, a longer run, goes on: the test above.)"""
+    import shutil
+
+    workdir = tmp_path / "shortened"
+    shutil.copytree(straight_run, workdir)
+    summary = (workdir / "summary.json").read_text()
+    proc = run_train(workdir, data, "--config.data.eval_fraction=0.2", shorter, "--accept_config_change", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"has reached step {STEPS}, past this run's last step 4 ({field})" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert (workdir / "summary.json").read_text() == summary and steps_on_disk(workdir) == [2, 4, 6]
+
+
 def test_the_schedule_warning_names_the_lr_before_and_after():
     from sweet_jax.train import trainer
 
