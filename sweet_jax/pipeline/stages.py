@@ -729,7 +729,8 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         # every stage's own wall-clock time, summed over the invocations that ran them (resumes included)
         "minutes": sum(r["seconds"] for r in records) / 60.0,
         "cpu_minutes": sum(r.get("cpu_seconds", 0.0) for r in records) / 60.0,
-        "load_average": float(np.mean([x for r in records for x in r.get("load_average", [])] or [np.nan])),
+        "load_average": (lambda loads: float(np.mean(loads)) if loads else None)(
+            [x for r in records for x in r.get("load_average", [])]),
         "init_reused_from": s["init"].get("reused_from"),
     }
     if c.tasks.source == "synthetic":  # the synthetic tasks know every reply's worth: check the rankings
@@ -759,7 +760,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
             e = frontend_evaluation(jsonl.read(run.path("eval", m, "trajectories.jsonl")), zero_shot)
             win = e.get("win_rate")
             results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
-                                         win_rate_pct=100.0 * win if win is not None else float("nan"))
+                                         win_rate_pct=100.0 * win if win is not None else None)
     if (run.workdir / "selection.json").exists():
         results["selection"] = json.loads((run.workdir / "selection.json").read_text())
     write_evidence(run, run.workdir / "evidence")
