@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sys
 from typing import Callable, NoReturn, TypeVar
 
@@ -44,13 +45,23 @@ def cli_main(log: logging.Logger, body: Callable[[], T]) -> T:
         exit_with_error(disk_full_message(full))
 
 
+# TensorStore (Orbax's array writer) reports a full disk as ValueError("RESOURCE_EXHAUSTED: ... Failed writing:
+# "PATH": ... No space left on device [os_error_code='28']"), not as an OSError.
+_NO_SPACE = re.compile(rf"No space left on device|Disk quota exceeded|os_error_code='({errno.ENOSPC}|{errno.EDQUOT})'")
+_WRITTEN = re.compile(r'(?:Failed writing|local file): "([^"]+)"')
+
+
 def disk_full(error: BaseException) -> OSError | None:
-    """The ENOSPC (or EDQUOT) OSError behind `error` (itself, or its cause / context, as libraries wrap it)."""
+    """The ENOSPC (or EDQUOT) OSError behind `error` (itself, or its cause / context, as libraries wrap it; a
+    TensorStore write error as one)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return error
+        if not isinstance(error, OSError) and _NO_SPACE.search(str(error)[:100_000]):
+            written = _WRITTEN.search(str(error))
+            return OSError(errno.ENOSPC, "No space left on device", written.group(1) if written else None)
         error = error.__cause__ or error.__context__
     return None
 

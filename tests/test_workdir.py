@@ -74,3 +74,17 @@ def test_a_full_disk_is_one_line_naming_the_file_and_what_to_do(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: no space left on the device writing /runs/x/checkpoints/7: free space")
+
+
+def test_tensorstores_full_disk_error_is_a_full_disk_naming_the_file():
+    """Orbax writes arrays with TensorStore, which reports ENOSPC as a ValueError; a ValueError that is not one is
+    not (the control)."""
+    from sweet_jax.errors import disk_full
+
+    error = ValueError('RESOURCE_EXHAUSTED: Error writing "layers.1.kernel/0.0" in OCDBT database at local file '
+                       '"/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/": Failed writing: "/runs/x/checkpoints/'
+                       '2.orbax-checkpoint-tmp/params/d/68879b": Failed to write 179000 bytes to file 11: No space '
+                       "left on device [os_error_code='28']")
+    found = disk_full(error)
+    assert found.errno == errno.ENOSPC and found.filename == "/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/d/68879b"
+    assert disk_full(ValueError("RESOURCE_EXHAUSTED: Error writing: out of memory")) is None
