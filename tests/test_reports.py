@@ -175,7 +175,8 @@ def ranked_run(workdir: pathlib.Path, indices) -> pathlib.Path:
     for i in indices:
         task = tasks[i % len(tasks)]   # -1 is the last task, as Python would read it
         answer = "I WANT TO ANSWER:\n" + task["ground_truth"]
-        pairs.append({"trajectory_index": i, "turn": 1, "task_key": "", "prompt": episodes[i % 2]["dialogue_history"][:1],
+        pairs.append({"trajectory_index": i, "turn": 1, "task_key": "",
+                      "prompt": episodes[i % 2]["dialogue_history"][:1],
                       "prompt_text": "", "chosen": answer, "rejected": "Tell me about the weather.",
                       "chosen_score": 1.0, "rejected_score": 0.0, "rank_reference": "ref_with_info"})
     (workdir / "rank" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))

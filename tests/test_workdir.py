@@ -87,7 +87,8 @@ def test_tensorstores_full_disk_error_is_a_full_disk_naming_the_file():
                        '2.orbax-checkpoint-tmp/params/d/68879b": Failed to write 179000 bytes to file 11: No space '
                        "left on device [os_error_code='28']")
     found = disk_full(error)
-    assert found.errno == errno.ENOSPC and found.filename == "/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/d/68879b"
+    assert found.errno == errno.ENOSPC
+    assert found.filename == "/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/d/68879b"
     assert disk_full(ValueError("RESOURCE_EXHAUSTED: Error writing: out of memory")) is None
 
 

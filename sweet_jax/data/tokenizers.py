@@ -66,7 +66,7 @@ class _TemplateRenderer:
         self.proc = subprocess.Popen([sys.executable, "-I", str(_WORKER), str(TEMPLATE_MEMORY_BYTES)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
-        self.buffer = b""
+        self.buffer, self.pid = b"", os.getpid()
         if self._read_line(time.monotonic() + TEMPLATE_START_SECONDS) is None:
             self.kill()
             raise TokenizerError(f"the chat-template renderer ({_WORKER.name}) did not start within "
@@ -98,6 +98,8 @@ class _TemplateRenderer:
         """The child's answer, or None when it ran past `seconds` (or died: its memory limit) and was killed."""
         data = (json.dumps(request, ensure_ascii=False, default=str) + "\n").encode("utf-8")
         with self.lock:
+            if self.proc is not None and self.pid != os.getpid():   # a forked child: the pipes are the parent's
+                self.proc = None
             if self.proc is None or self.proc.poll() is not None:
                 self.kill()
                 self._start()
