@@ -128,6 +128,16 @@ def test_a_frontend_run_without_a_win_rate_prints_n_a_not_nan(tmp_path):
     assert "| SWEET-RL | 70.0 | n/a |" in table and "nan" not in table.lower()
 
 
+def test_an_older_runs_nan_for_an_unmeasured_win_rate_reads_as_n_a(tmp_path):
+    """Before unmeasured figures were written as null the pipeline wrote NaN for these two; a NaN anywhere else is
+    refused (above)."""
+    run = honest_run(tmp_path / "run")
+    edit_json(run / "results.json", lambda r: (r.update(track="frontend"), r["diagnostics"].update(
+        load_average=math.nan), [m.update(cosine_pct=70.0, win_rate_pct=math.nan) for m in r["methods"].values()]))
+    table = results_lib.results_table([results_lib.read_results(run)])
+    assert "| SWEET-RL | 70.0 | n/a |" in table and "nan" not in table.lower()
+
+
 def test_the_command_refuses_a_damaged_results_file_in_one_line(tmp_path):
     run = honest_run(tmp_path / "run")
     (run / "results.json").write_text((run / "results.json").read_text()[:100])

@@ -84,6 +84,7 @@ def check_results(results, path, required: tuple[str, ...]) -> dict:
         raise f.error("methods", "no method")
     for m, record in methods.items():
         f.object(record, f"methods.{m}")
+        _unmeasured_nan_as_null(record, "win_rate_pct")
         for key, (lo, hi) in METHOD_FIGURES.items():
             if key in required and key not in record:
                 raise f.error(f"methods.{m}.{key}", "missing")
@@ -92,12 +93,21 @@ def check_results(results, path, required: tuple[str, ...]) -> dict:
                      key == "win_rate_pct")
         f.count(record.get("episodes"), f"methods.{m}.episodes", optional=True)
     f.count(results.get("heldout_tasks"), "heldout_tasks", optional=True)
+    _unmeasured_nan_as_null(f.object(results.get("diagnostics", {}), "diagnostics"), "load_average")
     for key, value in f.object(results.get("diagnostics", {}), "diagnostics").items():
         if not isinstance(value, str):
             f.number(value, f"diagnostics.{key}", optional=True)
     if results.get("selection") is not None:
         check_selection(results["selection"], f, "selection.")
     return results
+
+
+def _unmeasured_nan_as_null(record: dict, key: str) -> None:
+    """Runs written before unmeasured figures were null hold NaN for these two (a win rate without the zero-shot
+    policy's answers, a load average without records): read as not measured, never as a number."""
+    value = record.get(key)
+    if isinstance(value, float) and math.isnan(value):
+        record[key] = None
 
 
 def check_selection(selection, f: _Fields, prefix: str = "") -> dict:
