@@ -38,7 +38,7 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 
 from sweet_jax import host_malloc
-from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error
+from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error, remote_unreachable
 
 COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
             "pipeline_diagnostics")
@@ -60,7 +60,7 @@ class RunInterrupted(Exception):
 
 def quiet_environment(environ=os.environ, *, dev: str = "/", platform: str = sys.platform) -> None:
     """Environment variables that silence advisory output of the libraries below us (each one only if the user
-    has not set it): transformers' "PyTorch was not found", TensorFlow's C++ info lines (tfds imports it).
+    has not set it): transformers' "PyTorch was not found", TensorFlow's C++ info lines (epath and tfds import it).
 
     On a Linux host without a TPU or GPU device node (`dev`: the root to look under, for tests), JAX_PLATFORMS=cpu:
     with libtpu installed (the planner's extra) jax would otherwise load it and probe for TPU chips at its first
@@ -69,6 +69,8 @@ def quiet_environment(environ=os.environ, *, dev: str = "/", platform: str = sys
     environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow only reads files here (epath's gs://, tfds); its oneDNN notice ignores TF_CPP_MIN_LOG_LEVEL
+    environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if platform.startswith("linux") and "JAX_PLATFORMS" not in environ:
         if not host_malloc.accelerator_present(dev):
@@ -179,12 +181,12 @@ def guarded(body: Callable[[], Any]) -> Any:
     except RunInterrupted as e:
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except Exception as e:  # noqa: BLE001 — a full disk is one line; any other exception keeps its traceback
-        full = disk_full(e)
-        if full is None:
+    except Exception as e:  # noqa: BLE001 — a full disk or unreachable storage is one line; other errors keep
+        full, remote = disk_full(e), remote_unreachable(e)  # their traceback
+        if full is None and remote is None:
             raise
         _debug_traceback()
-        exit_with_error(disk_full_message(full))
+        exit_with_error(disk_full_message(full) if full is not None else remote)
     except KeyboardInterrupt:
         _debug_traceback()
         print("interrupted (Ctrl-C)", file=sys.stderr)

@@ -135,6 +135,7 @@ def metrics_config() -> ml_collections.ConfigDict:
 # ==========================================================================================================
 
 INF = float("inf")
+INT32_MAX = 2 ** 31 - 1   # token positions and lengths are int32 on the device
 
 
 def closed(lo, hi=INF):
@@ -159,7 +160,7 @@ def between(lo, hi, *, hi_closed=False):
 # field -> (type, range, what it means); int fields refuse floats and bools. (lora.* is checked by LoRAConfig.)
 TRAIN_RANGES = {
     "model.attention_chunk_size": (int, above(0), "query rows per attention block"),
-    "data.max_len": (int, above(0), "tokens per sequence"),
+    "data.max_len": (int, closed(1, INT32_MAX), "tokens per sequence; positions are int32"),
     "data.bucket": (int, above(0), "sequence lengths round up to a multiple of it"),
     "data.eval_fraction": (float, between(0, 1), "fraction of tasks held out"),
     "data.min_gap": (float, at_least(0), "minimum reward gap of a critic pair"),
@@ -216,7 +217,7 @@ RANK_RANGES = {
     "num_trajectories": (int, at_least(0), "0 = all"), "critic_temperature": (float, above(0), "scoring temperature"),
     "num_candidates": (int, closed(2), "candidates per turn (a pair needs two)"),
     "num_pairs": (int, above(0), "pairs per turn"), "temperature": (float, at_least(0), "0 = greedy"),
-    "max_new_tokens": (int, above(0), "tokens of one candidate"), "max_len": (int, above(0), "longest critic sequence"),
+    "max_new_tokens": (int, above(0), "tokens of one candidate"), "max_len": (int, closed(1, INT32_MAX), "longest critic sequence"),
     "bucket": (int, above(0), "critic lengths round up to a multiple of it"),
     "score_batch_size": (int, above(0), "critic sequences per pass"),
     "prompts_per_batch": (int, above(0), "turns sampled together"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sys
 from typing import Callable, NoReturn, TypeVar
 
@@ -36,21 +37,58 @@ def cli_main(log: logging.Logger, body: Callable[[], T]) -> T:
     except SweetJaxError as e:
         log.debug("error details", exc_info=True)
         exit_with_error(str(e))
-    except Exception as e:  # noqa: BLE001 — only a full disk is answered here; anything else propagates
-        full = disk_full(e)
-        if full is None:
+    except Exception as e:  # noqa: BLE001 — only a full disk or unreachable storage is answered here
+        full, remote = disk_full(e), remote_unreachable(e)
+        if full is None and remote is None:
             raise
         log.debug("error details", exc_info=True)
-        exit_with_error(disk_full_message(full))
+        exit_with_error(disk_full_message(full) if full is not None else remote)
+
+
+# TensorStore (Orbax's array writer) reports a full disk as ValueError("RESOURCE_EXHAUSTED: ... Failed writing:
+# "PATH": ... No space left on device [os_error_code='28']"), not as an OSError.
+_NO_SPACE = re.compile(rf"No space left on device|Disk quota exceeded|os_error_code='({errno.ENOSPC}|{errno.EDQUOT})'")
+_WRITTEN = re.compile(r'(?:Failed writing|local file): "([^"]+)"')
 
 
 def disk_full(error: BaseException) -> OSError | None:
-    """The ENOSPC (or EDQUOT) OSError behind `error` (itself, or its cause / context, as libraries wrap it)."""
+    """The ENOSPC (or EDQUOT) OSError behind `error` (itself, or its cause / context, as libraries wrap it; a
+    TensorStore write error as one)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return error
+        if not isinstance(error, OSError) and _NO_SPACE.search(str(error)[:100_000]):
+            written = _WRITTEN.search(str(error))
+            return OSError(errno.ENOSPC, "No space left on device", written.group(1) if written else None)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+# A remote path (gs://, s3://, ...) whose storage cannot be reached: TensorFlow's file system (behind etils.epath)
+# raises its own error types with libcurl's message, fsspec back ends OSErrors of their own.
+_REMOTE_PATH = re.compile(r"\b(?:gs|gcs|s3|hdfs|az|abfs)://[^\s'\"]+")
+_UNREACHABLE = re.compile(r"Could not resolve host|Couldn't resolve host|libcurl code|Name or service not known|"
+                          r"Temporary failure in name resolution|Network is unreachable|Connection refused|"
+                          r"Failed to connect|Could not connect|timed out|DefaultCredentialsError|"
+                          r"could not find default credentials", re.IGNORECASE)
+
+
+def remote_unreachable(error: BaseException) -> str | None:
+    """One line for an error behind `error` (itself, its cause or context) that says a remote path's storage could
+    not be reached (no network, no credentials), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)[:10_000]
+        reason = _UNREACHABLE.search(text)
+        if reason:
+            path = _REMOTE_PATH.search(text)
+            where = path.group(0) if path else "a remote path (gs://, s3://, ...)"
+            detail = next((line.strip() for line in text.splitlines() if reason.group(0) in line), reason.group(0))
+            return (f"cannot reach {where}: {detail[:300]}; check the network and the storage credentials, or use a "
+                    "local path")
         error = error.__cause__ or error.__context__
     return None
 

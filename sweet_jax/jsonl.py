@@ -10,6 +10,9 @@
   append(path, records)    append + flush + fsync: once it returns the records survive a crash; a last record
                            without its newline gets one first, and a failed write (a full disk) is undone.
   write(path, records)     atomic: a temporary file beside `path`, renamed over it.
+  read_json(path)          one JSON document (a run's record: results.json, done.json, selection.json), strictly:
+                           a regular file (a link to a device or a pipe is refused before it is read) of at most
+                           MAX_JSON_BYTES, UTF-8, whole; the caller checks its fields (check_number, ...).
 
 Bounds: a line longer than MAX_LINE_BYTES is a DataError before it is held in memory; a string holding a lone
 surrogate (a \\ud800 escape: no UTF-8 file can store it, and tokenizers fail on it) is a DataError naming
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import re
+import stat
 from typing import Any, Iterable, Iterator
 
 from etils import epath
@@ -33,6 +37,7 @@ from sweet_jax.errors import SweetJaxError
 SNIFF_BYTES = 8192
 MAX_LINE_BYTES = 64 << 20  # one record; the largest honest line (an official trajectory with every turn's
                            # templated prompt at 8k tokens) is a few MB
+MAX_JSON_BYTES = 64 << 20  # one run record; the largest honest one (a results.json with every stage) is ~100 KB
 MAGIC = ((b"\x1f\x8b", "a gzip file; decompress it first (gunzip)"),
          (b"PK\x03\x04", "a zip archive; extract it first"),
          (b"BZh", "a bzip2 file; decompress it first (bunzip2)"),
@@ -177,6 +182,42 @@ def read(path, *, partial: str = "error") -> list[dict]:
                 out.append(parse(text, f"{path}:{n}"))
         return out
     return [parse(text, where) for where, text in lines(path)]
+
+
+def read_json(path, *, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON value of a local file, read in at most max_bytes + 1 bytes; a DataError naming the file when it is
+    not a regular file, is larger, is not UTF-8 text or not one whole JSON document (a truncated write)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)   # follows links: /dev/zero behind a link is a device, never read
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, pipe or socket)"
+        raise DataError(f"{path}: is {what}; expected a JSON file")
+    with open(path, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise DataError(f"{path}: larger than {max_bytes} bytes (jsonl.MAX_JSON_BYTES); not a run's record")
+    for magic, what in MAGIC:
+        if raw.startswith(magic):
+            raise DataError(f"{path}: is {what}; expected JSON text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: is not UTF-8 text (byte {e.start}); expected JSON") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        ends_early = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        cut = " (the file ends early: a truncated write?)" if ends_early else ""
+        raise DataError(f"malformed JSON ({e.msg}){cut}", where=f"{path}:{e.lineno}") from None
+    except RecursionError:
+        raise DataError(f"{path}: nested too deeply to be a run's record") from None
+    refuse_lone_surrogates(value, text, path)
+    return value
 
 
 def _whole_object(raw: bytes) -> bool:

@@ -140,6 +140,18 @@ def test_nothing_of_a_page_reaches_the_next_one(pool):
     assert red_pixels(after) == 0
 
 
+def test_the_last_pages_history_does_not_reach_the_next_one(pool):
+    """A page sees a history of two entries, the blank page and itself, never the pages rendered before it (whose
+    pixels history.back() would bring back, perhaps from the back-forward cache)."""
+    pool.render("<body style='margin:0;background:#ff0000'><div style='height:50px'>the page before</div></body>")
+    after = pool.render("<body style='margin:0;background:#ffffff'><script>if (history.length > 2) "
+                        "document.body.style.background = '#ff0000';</script><div style='height:10px'></div></body>")
+    assert red_pixels(after) == 0
+    assert red_pixels(pool.render("<body style='margin:0;background:#ffffff'><script>if (history.length > 1) "
+                                  "document.body.style.background = '#ff0000';</script>"
+                                  "<div style='height:10px'></div></body>")) > 0   # the control: the check sees it
+
+
 def test_popups_and_dialogs_do_nothing(pool, canary):
     address, hits = canary
     html = f"""<html><body style='background:#ffffff;margin:0'><div style='height:50px'>page</div><script>

@@ -122,7 +122,8 @@ def test_every_rollout_rank_and_pipeline_preset_lies_within_the_numeric_ranges(s
     ("optim.b2", 1.0, r"a number in \[0, 1\)"),
     ("loss.label_smoothing", 0.5, r"a number in \[0, 0.5\)"),     # every preference flipped as often as kept
     ("data.eval_fraction", 1.0, r"a number in \[0, 1\)"),
-    ("data.max_len", 0, "an integer > 0"),
+    ("data.max_len", 0, r"an integer in \[1, 2147483647\]"),
+    ("data.max_len", 2 ** 31, r"an integer in \[1, 2147483647\]"),      # past int32: the device's positions
     ("train.batch_size", 0, "an integer > 0"),
 ])
 def test_a_numeric_training_field_out_of_range_is_one_error_naming_it(field, value, expected):

@@ -282,3 +282,31 @@ def test_a_hostile_chat_template_is_stopped_at_its_time_or_size_bound(bpe_dir, m
     tok.chat_template = template
     with pytest.raises(tokenizers.TemplateBoundError, match=bound):
         render_dialogue(tok, DIALOGUE)
+
+
+@pytest.mark.parametrize("template, bound", [
+    ("{{ 10 ** (10 ** 8 * messages | length) % 7 }}", r"ran past 1 s"),  # minutes of C code, no line to stop at
+    ("{{ 'a' * 2 * 10 ** 9 }}", r"ran out of its 1024 MiB"),        # 2 GB in one C call
+    ("{{ 'x' | center(3 * 10 ** 9) }}", r"ran out of its 1024 MiB"),
+])
+def test_a_template_that_hangs_or_grows_in_c_code_is_stopped_and_the_next_render_is_honest(bpe_dir, monkeypatch,
+                                                                                           template, bound):
+    """The template runs in its own process (tokenizers._template_worker): killed past TEMPLATE_SECONDS, its data
+    limited to TEMPLATE_MEMORY_BYTES, where the trainer's process could only wait or swap. The renderer restarts."""
+    from sweet_jax.data import tokenizers
+    monkeypatch.setattr(tokenizers, "TEMPLATE_SECONDS", 1.0)
+    tok = load_tokenizer(bpe_dir)
+    honest = tok.apply_chat_template(DIALOGUE, tokenize=False, add_generation_prompt=False)
+    tok.chat_template, original = template, tok.chat_template
+    with pytest.raises(tokenizers.TemplateBoundError, match=bound):
+        render_dialogue(tok, DIALOGUE)
+    tok.chat_template = original
+    assert tokenizers.apply_chat_template(tok, DIALOGUE, add_generation_prompt=False) == honest
+
+
+def test_a_template_that_raises_is_a_render_error_naming_its_message(bpe_dir):
+    from sweet_jax.data import RenderError
+    tok = load_tokenizer(bpe_dir)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(RenderError, match=r"chat template failed on this dialogue: .*TemplateError: roles must alt"):
+        render_dialogue(tok, DIALOGUE)

@@ -410,3 +410,36 @@ def test_a_vocabulary_with_a_duplicated_token_is_refused_naming_both_ids(tmp_pat
         step()
     with pytest.raises(gguf_lib.GGUFError, match=r"dup\.gguf: tokenizer\.ggml\.tokens holds 'a' twice \(ids 0 and 2\)"):
         gguf_lib.load_gguf_tokenizer(path, require_chat_template=False)
+
+
+def _tokenizer_gguf(path, merges):
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(["a", "b", "ab", "c", "<eos>"])
+    writer.add_token_types([1, 1, 1, 1, 3])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(4)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                 writer.close):
+        step()
+    return path
+
+
+@pytest.mark.parametrize("merge, message", [
+    ("a", r"merges\[1\]='a': expected two tokens separated by one space"),
+    ("a b c", r"merges\[1\]='a b c': expected two tokens separated by one space"),
+    ("a  b", r"merges\[1\]='a  b': expected two tokens"),
+    ("a x", r"merges\[1\]='a x': 'x' is not a token of tokenizer.ggml.tokens"),
+    ("b a", r"merges\[1\]='b a': 'ba' is not a token"),
+])
+def test_a_merge_line_that_is_not_two_tokens_is_one_error_naming_it(tmp_path, merge, message):
+    path = _tokenizer_gguf(tmp_path / "merges.gguf", ["a b", merge])
+    with pytest.raises(gguf_lib.GGUFError, match=rf"merges\.gguf: tokenizer\.ggml\.{message}"):
+        gguf_lib.load_gguf_tokenizer(path, require_chat_template=False)
+
+
+def test_well_formed_merges_make_the_tokenizer(tmp_path):
+    tokenizer = gguf_lib.load_gguf_tokenizer(_tokenizer_gguf(tmp_path / "merges.gguf", ["a b"]),
+                                             require_chat_template=False)
+    assert tokenizer.convert_ids_to_tokens(tokenizer("ab")["input_ids"]) == ["ab"]

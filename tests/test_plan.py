@@ -240,3 +240,41 @@ def test_plan_fit_on_the_command_line_prints_the_layout_and_the_exact_commands(t
         proc.stdout
     assert ("train: python -m sweet_jax.train --config=configs/critic.py:demo --config.data.max_len=256 --workdir "
             "WORKDIR") in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fit", "--fit_max_tries=0"], "--fit_max_tries=0: compile at least 1 layout"),
+    (["--fit", "--hbm_gib=nan"], "--hbm_gib=nan: expected a chip's memory in GiB, a finite number > 0"),
+    (["--fit", "--hbm_gib=-1"], "--hbm_gib=-1.0: expected a chip's memory in GiB"),
+    (["--fit", "--hbm_gib=inf"], "--hbm_gib=inf: expected"),
+    (["--config.data.max_len=3000000000"], "config.data.max_len=3000000000: must be an integer in [1, 2147483647]"),
+    (["--config.train.batch_size=-4"], "config.train.batch_size=-4: must be"),
+])
+def test_a_senseless_number_is_one_line_before_anything_compiles(tmp_path, flags, message):
+    """Each was a traceback (an empty min(), int(nan), a shape past int32) or a fit 'within -1.0 GiB a chip'."""
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "sweet_jax.plan", "--config", "configs/critic.py:demo",
+                           "--topology", "v5e:2x2", *flags], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: ") and message in lines[0] and "GiB a chip" not in proc.stdout
+
+
+def test_honest_fit_flags_pass_and_the_library_refuses_an_empty_search():
+    import types
+
+    from sweet_jax.commands import plan as plan_command
+
+    plan_command.check_flags(types.SimpleNamespace(fit_max_tries=1, hbm_gib=0.0))   # the defaults' kind
+    plan_command.check_flags(types.SimpleNamespace(fit_max_tries=24, hbm_gib=15.5))
+    with pytest.raises(plan.PlanError, match="max_tries=0"):
+        plan.fit(tiny_config(), plan.parse_topology("v5e:2x2"), max_tries=0)
+    with pytest.raises(plan.PlanError, match="budget of -5 bytes"):
+        plan.fit(tiny_config(), plan.parse_topology("v5e:2x2"), budget_bytes=-5)

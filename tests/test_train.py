@@ -9,6 +9,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -164,6 +165,51 @@ def test_extending_a_finished_run_warns_that_the_lr_schedule_restarts_and_keeps_
     assert "the decay restarts" in proc.stderr
     assert "recorded at the run's first start" in proc.stderr
     assert json.loads((workdir / "summary.json").read_text())["peak_flops"] == peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shorter, field", [(f"--config.train.num_steps={STEPS - 2}", f"train.num_steps={STEPS - 2}"),
+                                            ("--config.train.stop_at=4", "train.stop_at=4")])
+def test_resuming_a_run_past_its_new_last_step_is_refused_naming_both_steps(straight_run, data, tmp_path, shorter,
+                                                                            field):
+    """A run that reached step 6, resumed with 4 steps (or told to stop at 4), would stop at once and write a
+    summary of 6 steps for a 4-step run: one line naming both numbers, exit 2, the run's files untouched. (The
+    control, a longer run, goes on: the test above.)"""
+    import shutil
+
+    workdir = tmp_path / "shortened"
+    shutil.copytree(straight_run, workdir)
+    summary = (workdir / "summary.json").read_text()
+    proc = run_train(workdir, data, "--config.data.eval_fraction=0.2", shorter, "--accept_config_change", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"has reached step {STEPS}, past this run's last step 4 ({field})" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert (workdir / "summary.json").read_text() == summary and steps_on_disk(workdir) == [2, 4, 6]
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_checkpoint_is_one_line(data, tmp_path):
+    """The workdir on a 2 MiB filesystem (a tmpfs in a user and mount namespace of its own): the run's records fit,
+    its first checkpoint does not. Orbax's save threads each logged a traceback and TensorStore's ValueError ended
+    the run with one more (exit 1); now: one `error: no space left on the device writing ...` line, exit 2."""
+    import shlex
+    import shutil
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("this kernel gives no user namespaces, so no small filesystem can be mounted for the test")
+    small = tmp_path / "small"
+    small.mkdir()
+    train = " ".join(shlex.quote(a) for a in train_args(small / "run", data, "--config.train.num_steps=4"))
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           f"mount -t tmpfs -o size=2m tmpfs {shlex.quote(str(small))} && exec {train}"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stderr.replace("\r", "\n").splitlines()
+             if line.strip() and "%|" not in line and not re.match(r"\d\d:\d\d:\d\d [IW] ", line)]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: no space left on the device writing "), lines[:20]
+    assert f"{small}/run/checkpoints/" in lines[0] and "Traceback" not in proc.stderr
 
 
 def test_the_schedule_warning_names_the_lr_before_and_after():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -74,3 +75,56 @@ def test_a_full_disk_is_one_line_naming_the_file_and_what_to_do(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: no space left on the device writing /runs/x/checkpoints/7: free space")
+
+
+def test_tensorstores_full_disk_error_is_a_full_disk_naming_the_file():
+    """Orbax writes arrays with TensorStore, which reports ENOSPC as a ValueError; a ValueError that is not one is
+    not (the control)."""
+    from sweet_jax.errors import disk_full
+
+    error = ValueError('RESOURCE_EXHAUSTED: Error writing "layers.1.kernel/0.0" in OCDBT database at local file '
+                       '"/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/": Failed writing: "/runs/x/checkpoints/'
+                       '2.orbax-checkpoint-tmp/params/d/68879b": Failed to write 179000 bytes to file 11: No space '
+                       "left on device [os_error_code='28']")
+    found = disk_full(error)
+    assert found.errno == errno.ENOSPC
+    assert found.filename == "/runs/x/checkpoints/2.orbax-checkpoint-tmp/params/d/68879b"
+    assert disk_full(ValueError("RESOURCE_EXHAUSTED: Error writing: out of memory")) is None
+
+
+def test_a_remote_path_that_cannot_be_reached_is_one_line_naming_it(capsys):
+    """TensorFlow's file system (behind etils.epath) reports gs:// without network as its own error type with
+    libcurl's message; any other error keeps its traceback (the control)."""
+    from sweet_jax import cli
+
+    def body():
+        raise RuntimeError("Error executing an HTTP request: libcurl code 6 meaning 'Could not resolve hostname', "
+                           "error details: Could not resolve host: www.googleapis.com\n\t when reading metadata of "
+                           "gs://bucket/run")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.guarded(body)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: cannot reach gs://bucket/run: Error executing an HTTP request: libcurl code 6")
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug in gs://bucket/run's reader")))
+
+
+@pytest.mark.slow
+def test_training_into_a_gs_path_without_network_is_one_line(tmp_path):
+    """No network: the proxy's own name does not resolve (a .invalid name), so no request reaches storage. It was a
+    traceback of TensorFlow's FailedPreconditionError."""
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "https_proxy": "http://no-such-proxy.invalid:9",
+           "HTTPS_PROXY": "http://no-such-proxy.invalid:9", "http_proxy": "http://no-such-proxy.invalid:9"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "sweet_jax.train", "--config", "configs/critic.py:demo",
+                           "--workdir", "gs://sweet-jax-no-such-bucket/run"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: cannot reach gs://sweet-jax-no-such-bucket/run: ")
+    # (TensorFlow's C++ logger may add its own warning about the credentials lookup: not a Python traceback)

@@ -7,7 +7,9 @@ policy's behaviour (questions on the task's keys, answers, copy accuracy of the 
 --probes adds the models' probes (sweet_jax.rl.probes: P(answer) by state for the starting policy with and without
 the agent prompt and for every kept checkpoint of the SWEET-RL runs, the implicit margin of a correct answer over
 a repeated question where every value is known, the critics' per-turn scores by kind and normalisation): a few
-minutes of forward passes on CPU for SmolLM2.
+minutes of forward passes on CPU for SmolLM2. Every file it reads is checked as it is read (a damaged one, or a pair
+whose trajectory index is outside the episodes: one line naming the file and the field, exit 2); an existing
+--out FILE is refused.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="", help="write the JSON here too")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     workdir = pathlib.Path(args.workdir)
+    if args.out and (pathlib.Path(args.out).exists() or pathlib.Path(args.out).is_symlink()):
+        raise SweetJaxError(f"--out {args.out}: already exists; pass a new file (or remove it first)")
     if not workdir.is_dir():
         raise SweetJaxError(f"{workdir} is not a directory: pass the --workdir of a `python -m sweet_jax.pipeline` run")
     if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):

@@ -3,13 +3,14 @@
     python -m sweet_jax.pipeline_report RUN_SEED0 RUN_SEED1 RUN_SEED2 --out DIR
 
 reads each run's results.json (written by `python -m sweet_jax.pipeline`) and writes DIR/results.md and
-DIR/results.png with mean +- standard deviation over the runs.
+DIR/results.png with mean +- standard deviation over the runs. Every file it reads is checked first (a damaged
+one: one line naming the file and the field, exit 2); DIR must be new (or empty) and not a run's own directory.
 """
 from __future__ import annotations
 
 from sweet_jax import cli
 from sweet_jax.commands import launch
-from sweet_jax.rl.results import read_results, write_report
+from sweet_jax.rl.results import check_report_out, read_results, write_report
 
 
 def main(argv=None) -> None:
@@ -19,6 +20,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="directory for results.md and results.png")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
+    check_report_out(args.out, args.workdirs)
     runs = [read_results(w) for w in args.workdirs]
     md, png = write_report(runs, args.out, title=args.title)
     print(md.read_text())

@@ -22,6 +22,7 @@ train and plan commands that use it (exit 1 when none of the first --fit_max_tri
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import jax
@@ -29,8 +30,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from sweet_jax.commands import launch
-from sweet_jax.train.plan import (GiB, Topology, extrapolated_plan, fit, fit_commands, make_plan, parse_topology,
-                                  report)
+from sweet_jax.config_utils import check_config
+from sweet_jax.train.plan import (GiB, PlanError, Topology, extrapolated_plan, fit, fit_commands, make_plan,
+                                  parse_topology, report)
 
 
 def main(argv):
@@ -39,6 +41,8 @@ def main(argv):
     # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
     # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
     jax.config.update("jax_enable_compilation_cache", False)
+    check_flags(FLAGS)
+    check_config(FLAGS.config)
     topology = parse_topology(FLAGS.topology)
     if FLAGS.fit:
         return main_fit(FLAGS, topology)
@@ -47,10 +51,19 @@ def main(argv):
     return 0 if plan.fits else 1
 
 
+def check_flags(FLAGS) -> None:
+    """plan's own numeric flags, before anything is compiled (the config's are check_config's)."""
+    if FLAGS.fit_max_tries < 1:
+        raise PlanError(f"--fit_max_tries={FLAGS.fit_max_tries}: compile at least 1 layout (default 24)")
+    if not math.isfinite(FLAGS.hbm_gib) or FLAGS.hbm_gib < 0:
+        raise PlanError(f"--hbm_gib={FLAGS.hbm_gib}: expected a chip's memory in GiB, a finite number > 0 "
+                        "(0 = the chip's HBM)")
+
+
 def main_fit(FLAGS, topology: Topology) -> int:
     """--fit: the cheapest layout that fits, its report and the exact commands; exit 1 when none does."""
     argv = sys.argv[1:]
-    budget = int(FLAGS.hbm_gib * GiB) if FLAGS.hbm_gib else None
+    budget = max(1, int(FLAGS.hbm_gib * GiB)) if FLAGS.hbm_gib else None
     layout, result, tried = fit(FLAGS.config, topology, estimate=FLAGS.estimate, max_tries=FLAGS.fit_max_tries,
                                 budget_bytes=budget, log=lambda line: print(line, flush=True))
     if layout is None:

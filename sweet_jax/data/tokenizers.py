@@ -7,12 +7,16 @@ The builders here train tiny versions of both (used by tests and by the bundled 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
+import select
+import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from typing import Iterable, Iterator
 
@@ -28,66 +32,119 @@ class TokenizerError(SweetJaxError):
 
 
 # A chat template comes with the model files, so it is untrusted: a template with nested loops hangs the first
-# render and one that repeats a string fills memory. Honest renders take milliseconds and a few hundred KB.
+# render, one that repeats a string fills memory, and one that computes 10 ** 10 ** 10 never returns to Python.
+# Honest renders take milliseconds and a few hundred KB. So templates render in a child process
+# (_template_worker.py): killed past TEMPLATE_SECONDS, its data limited to TEMPLATE_MEMORY_BYTES, its output to
+# TEMPLATE_MAX_CHARS characters (counted as the template writes them).
 TEMPLATE_SECONDS = 10.0
 TEMPLATE_MAX_CHARS = 32 << 20
-_TEMPLATE_CODE = "<template>"  # the co_filename of the Python code jinja2 compiles a template into
+TEMPLATE_MEMORY_BYTES = 1 << 30
+TEMPLATE_START_SECONDS = 120.0   # the child's start (importing transformers' template code: ~3 s on 2 busy cores)
+_WORKER = pathlib.Path(__file__).with_name("_template_worker.py")
 
 
 class TemplateBoundError(TokenizerError):
-    """A chat template that ran past its time or size bound."""
+    """A chat template that ran past its time, size or memory bound."""
+
+
+class TemplateFailed(RuntimeError):
+    """A chat template that raised (its raise_exception, a wrong field): 'TypeName: message' from the child."""
+
+
+class _TemplateRenderer:
+    """The one child process that renders chat templates for this process: started on the first render, one
+    request at a time, killed and restarted on the next render after a bound was hit."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   TRANSFORMERS_VERBOSITY="error", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+        self.proc = subprocess.Popen([sys.executable, "-I", str(_WORKER), str(TEMPLATE_MEMORY_BYTES)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        self.buffer, self.pid = b"", os.getpid()
+        if self._read_line(time.monotonic() + TEMPLATE_START_SECONDS) is None:
+            self.kill()
+            raise TokenizerError(f"the chat-template renderer ({_WORKER.name}) did not start within "
+                                 f"{TEMPLATE_START_SECONDS:g} s")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                f.close()
+            self.proc = None
+
+    def _read_line(self, deadline: float, max_bytes: int = 1 << 20) -> bytes | None:
+        """One line from the child by `deadline`, at most max_bytes; None past either or when it died."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(self.buffer) > max_bytes or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def render(self, request: dict, seconds: float) -> dict | None:
+        """The child's answer, or None when it ran past `seconds` (or died: its memory limit) and was killed."""
+        data = (json.dumps(request, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+        with self.lock:
+            if self.proc is not None and self.pid != os.getpid():   # a forked child: the pipes are the parent's
+                self.proc = None
+            if self.proc is None or self.proc.poll() is not None:
+                self.kill()
+                self._start()
+            try:
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                self.kill()
+                return None
+            line = self._read_line(time.monotonic() + seconds, max_bytes=6 * request["max_chars"] + 4096)
+            if line is None:
+                self.kill()
+                return None
+            return json.loads(line)
+
+
+_renderer = _TemplateRenderer()
+atexit.register(_renderer.kill)
 
 
 def apply_chat_template(tokenizer, messages, *, add_generation_prompt: bool, seconds: float | None = None) -> str:
-    """tokenizer.apply_chat_template(messages, tokenize=False) under a time bound (TEMPLATE_SECONDS: checked as
-    the template's own code runs, so a template that loops forever is stopped, in any thread) and a size bound
-    (TEMPLATE_MAX_CHARS); past either a TemplateBoundError. The one way sweet_jax renders a chat template."""
+    """tokenizer.apply_chat_template(messages, tokenize=False), rendered in the template child process under
+    TEMPLATE_SECONDS, TEMPLATE_MAX_CHARS and TEMPLATE_MEMORY_BYTES; past a bound a TemplateBoundError, a template
+    that raises a TemplateFailed. The one way sweet_jax renders a chat template."""
     seconds = TEMPLATE_SECONDS if seconds is None else seconds
-    deadline = time.monotonic() + seconds
-    lines = [0]
-
-    def over():
-        return TemplateBoundError(f"the tokenizer's chat template ran past {seconds:g} s on one dialogue "
-                                  "(tokenizers.TEMPLATE_SECONDS); a template that loops this long is damaged or "
-                                  "hostile: use the model's original tokenizer_config.json")
-
-    def too_big(size):
-        return TemplateBoundError(f"the tokenizer's chat template wrote {size} characters for one dialogue, more "
-                                  f"than {TEMPLATE_MAX_CHARS} (tokenizers.TEMPLATE_MAX_CHARS); use the model's "
-                                  "original tokenizer_config.json")
-
-    written = [0]
-
-    def in_template(frame, event, arg):
-        if event == "return" and isinstance(arg, str):  # the template's code yields its output piece by piece
-            written[0] += len(arg)
-            if written[0] > TEMPLATE_MAX_CHARS:
-                raise too_big(written[0])
-        lines[0] += 1
-        if lines[0] % 256 == 0 and time.monotonic() > deadline:
-            raise over()
-        return in_template
-
-    def on_call(frame, event, arg):
-        if frame.f_code.co_filename == _TEMPLATE_CODE:
-            return in_template
-        return None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except MemoryError:
-        raise TemplateBoundError("the tokenizer's chat template ran out of memory on one dialogue; use the model's "
-                                 "original tokenizer_config.json") from None
-    finally:
-        sys.settrace(previous)
-    if time.monotonic() > deadline:
-        raise over()
-    if len(text) > TEMPLATE_MAX_CHARS:
-        raise too_big(len(text))
-    return text
+    messages = list(messages)
+    if not messages:
+        raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    request = {"template": tokenizer.get_chat_template(None, None), "messages": messages,
+               "add_generation_prompt": add_generation_prompt, "tokens": dict(tokenizer.special_tokens_map),
+               "max_chars": TEMPLATE_MAX_CHARS}
+    answer = _renderer.render(request, seconds)
+    if answer is None or answer.get("bound") == "memory":
+        why = (f"ran past {seconds:g} s (tokenizers.TEMPLATE_SECONDS) or past {TEMPLATE_MEMORY_BYTES >> 20} MiB "
+               "(tokenizers.TEMPLATE_MEMORY_BYTES)" if answer is None else
+               f"ran out of its {TEMPLATE_MEMORY_BYTES >> 20} MiB (tokenizers.TEMPLATE_MEMORY_BYTES)")
+        raise TemplateBoundError(f"the tokenizer's chat template {why} on one dialogue; a template that does this is "
+                                 "damaged or hostile: use the model's original tokenizer_config.json")
+    if answer.get("bound") == "size":
+        raise TemplateBoundError(f"the tokenizer's chat template wrote {answer['chars']} characters for one dialogue, "
+                                 f"more than {TEMPLATE_MAX_CHARS} (tokenizers.TEMPLATE_MAX_CHARS); use the model's "
+                                 "original tokenizer_config.json")
+    if "error" in answer:
+        raise TemplateFailed(answer["error"])
+    return answer["text"]
 
 
 # Llama 3 (3.0) instruct template: every message is header + trimmed content + <|eot_id|>.

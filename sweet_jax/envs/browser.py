@@ -23,7 +23,8 @@ How a page is contained:
   reservations do not count against), and a V8 heap limit. A page past it crashes its renderer: the page gets no
   screenshot and the browser is started afresh.
 - Nothing of a page reaches the next: after each page the browser goes back to one blank window whose name
-  (`window.name`, which survives navigations) is cleared; every page has its own origin, so no storage is shared.
+  (`window.name`, which survives navigations) is cleared and whose session history is reset to that blank page
+  (no back-forward cache keeps a page alive); every page has its own origin, so no storage is shared.
 - The proxy's bookkeeping is bounded: it keeps the last `REFUSED_KEPT` refused requests (and a count), and
   answers at most `MAX_CONNECTIONS` connections at a time (a flood is dropped, not queued in threads).
 """
@@ -74,6 +75,7 @@ CHROMIUM_FLAGS = (
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--disable-dev-shm-usage", "--disable-extensions", "--disable-default-apps", "--mute-audio",
     "--hide-scrollbars", "--force-device-scale-factor=1", "--dns-prefetch-disable",
+    "--disable-back-forward-cache",            # no page is kept alive after it is left
     "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",  # no name resolves; the proxy is an address
     "--proxy-bypass-list=<-loopback>",         # loopback goes through the proxy too, which refuses it
@@ -333,6 +335,9 @@ class Renderer:
             driver.close()
         driver.switch_to.window(handles[0])
         driver.get("about:blank")
+        # The tab's session history would hand the next page this one (history.length, history.back(), whose
+        # page the back-forward cache may even keep alive): the blank page is its only entry.
+        driver.execute_cdp_cmd("Page.resetNavigationHistory", {})
         driver.execute_script("window.name = '';")  # the one thing a browsing context carries across origins
         if len(shot["data"]) > MAX_SCREENSHOT_BYTES * 4 // 3 + 4:  # base64: refused before it is decoded
             raise ScreenshotTooLargeError(f"the page's screenshot is about {len(shot['data']) * 3 // 4} bytes, more "

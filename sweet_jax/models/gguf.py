@@ -387,14 +387,32 @@ def _byte_level_bpe(path, reader, tokens):
     merges = _metadata(reader, "tokenizer.ggml.merges")
     if merges is None:
         raise GGUFError(f"{path}: metadata key tokenizer.ggml.merges is missing (a byte-level BPE needs them).")
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                   merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(path, merges, vocab), fuse_unk=False))
     splits = [pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN if s == "llama3" else s), behavior="isolated")
               for s in _BYTE_LEVEL_SPLITS[pre]]
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merge_pairs(path, merges, vocab: dict) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as (left, right) pairs, checked as the tokenizers library needs them: each line two
+    tokens of the vocabulary separated by one space, their concatenation a token too (else one GGUFError naming
+    the line, not the library's TypeError)."""
+    pairs = []
+    for i, line in enumerate(merges):
+        parts = line.split(" ") if isinstance(line, str) else []
+        if len(parts) != 2 or not all(parts):
+            raise GGUFError(f"{path}: tokenizer.ggml.merges[{i}]={line!r}: expected two tokens separated by one "
+                            "space; the file's tokenizer is damaged")
+        missing = [t for t in (*parts, "".join(parts)) if t not in vocab]
+        if missing:
+            raise GGUFError(f"{path}: tokenizer.ggml.merges[{i}]={line!r}: {missing[0]!r} is not a token of "
+                            "tokenizer.ggml.tokens; the file's tokenizer is damaged")
+        pairs.append((parts[0], parts[1]))
+    return pairs
 
 
 def _sentencepiece_bpe(path, reader, tokens):
@@ -405,7 +423,7 @@ def _sentencepiece_bpe(path, reader, tokens):
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = _metadata(reader, "tokenizer.ggml.merges")
     if merges is not None:
-        merges = [tuple(m.split(" ", 1)) for m in merges]
+        merges = _merge_pairs(path, merges, vocab)
     else:
         scores = _metadata(reader, "tokenizer.ggml.scores")
         if scores is None:

@@ -33,9 +33,9 @@ from sweet_jax.data.schema import CandidatesRecord, PolicyPair
 from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
 from sweet_jax.envs import families
 from sweet_jax.envs.frontend import FrontendTrack, frontend_evaluation, scripted_design_trajectories
-from sweet_jax.errors import SweetJaxError
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.models import Llama, LlamaConfig, save_hf
+from sweet_jax.pipeline.inputs import PipelineError, check_init_run, check_inputs, read_selection
 from sweet_jax.rl import diagnostics as diagnostics_lib, episodes, ranking, results as results_lib
 from sweet_jax.rl.episodes import agent_prompt_for, summarize
 from sweet_jax.sampling import policy_backend
@@ -48,10 +48,6 @@ log = logging.getLogger("sweet_jax.pipeline")
 DONE = "done.json"
 ALL_METHODS = ("zero_shot", "rft", "mtdpo", "sweet_no_info", "sweet", "sweet_oracle", "sweet_balanced",
                "sweet_iterative")
-
-
-class PipelineError(SweetJaxError):
-    """A pipeline config or input that cannot work; the message says which field to change."""
 
 
 # ==========================================================================================================
@@ -371,35 +367,18 @@ def _policy_weights(text: str) -> dict[str, float]:
     return weights
 
 
-INIT_FIELDS = ("init", "model", "tasks")   # what decides the starting policy (not the run seed)
-# ... except these: how the steps are laid out in memory (same values and gradients, other speed and memory).
-LAYOUT_FIELDS = ("model.remat", "model.scan_layers", "model.attention_impl")
-
-
 def reuse_init(run: Run, d: pathlib.Path) -> dict:
     """The init stage of another run (config.init.from_run) with the same init/model/tasks settings, copied:
     the seeds of a comparison start from one starting policy, as the paper's runs all start from one checkpoint."""
     src = pathlib.Path(run.config.init.from_run)
-    marker = src / "init" / DONE
-    if not marker.exists():
-        raise PipelineError(f"config.init.from_run={str(src)!r}: {marker} does not exist; run that workdir's "
-                            "pipeline first (or set init.from_run='' to train the starting policy here)")
-    theirs = json.loads((src / "pipeline_config.json").read_text())
-    ours = json.loads(run.config.to_json_best_effort())
-    differ = [field for key in INIT_FIELDS
-              for field, _, _ in rundir.config_changes({key: theirs.get(key)}, {key: ours.get(key)})
-              if field != "init.from_run" and field not in LAYOUT_FIELDS]
-    if differ:
-        raise PipelineError(f"config.init.from_run={str(src)!r} was trained with other settings ({', '.join(differ)}); "
-                            "use the same values or set init.from_run=''")
-    summary = json.loads(marker.read_text())["summary"]
+    record = check_init_run(run.config)
     for name in ("policy_hf", "demos.jsonl"):
         if (src / "init" / name).is_dir():
             shutil.copytree(src / "init" / name, d / name, dirs_exist_ok=True)
-        else:
+        elif (src / "init" / name).exists():   # demonstrations: an SFT start's
             shutil.copy2(src / "init" / name, d / name)
-    return dict(summary, policy_hf=str(d / "policy_hf"), reused_from=str(src),
-                reused_seconds=json.loads(marker.read_text())["seconds"])
+    return dict(record["summary"], policy_hf=str(d / "policy_hf"), reused_from=str(src),
+                reused_seconds=record["seconds"])
 
 
 def pretrained_dir(config) -> str:
@@ -767,11 +746,7 @@ def selection_grid(config) -> Grid | None:
     if s is None or not (s.steps or s.frozen):
         return None
     if s.frozen:
-        path = pathlib.Path(s.frozen)
-        if not path.is_file():
-            raise PipelineError(f"config.select.frozen={s.frozen!r}: no such file; pass the selection.json that "
-                                "the selecting run (seed 0) wrote in its workdir")
-        chosen = json.loads(path.read_text())
+        chosen = read_selection(s.frozen, methods_of(config))
         return Grid(chosen["lrs"], chosen["steps"], frozen={m: v["choice"] for m, v in chosen["methods"].items()})
 
     def numbers(text, kind, field):
@@ -837,7 +812,8 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         # every stage's own wall-clock time, summed over the invocations that ran them (resumes included)
         "minutes": sum(r["seconds"] for r in records) / 60.0,
         "cpu_minutes": sum(r.get("cpu_seconds", 0.0) for r in records) / 60.0,
-        "load_average": float(np.mean([x for r in records for x in r.get("load_average", [])] or [np.nan])),
+        "load_average": (lambda loads: float(np.mean(loads)) if loads else None)(
+            [x for r in records for x in r.get("load_average", [])]),
         "init_reused_from": s["init"].get("reused_from"),
     }
     if c.tasks.source == "synthetic":  # the synthetic tasks know every reply's worth: check the rankings
@@ -867,7 +843,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
             e = frontend_evaluation(jsonl.read(run.path("eval", m, "trajectories.jsonl")), zero_shot)
             win = e.get("win_rate")
             results["methods"][m].update(cosine_pct=100.0 * e["mean_cosine"],
-                                         win_rate_pct=100.0 * win if win is not None else float("nan"))
+                                         win_rate_pct=100.0 * win if win is not None else None)
     if (run.workdir / "selection.json").exists():
         results["selection"] = json.loads((run.workdir / "selection.json").read_text())
     write_evidence(run, run.workdir / "evidence")
@@ -891,6 +867,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
     if config.tasks.source == "synthetic":   # the task family and draw, before any stage
         draw_of(config)
         family_of(config)
+    check_inputs(config, methods)
+    grid = selection_grid(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _check_same_config(config, workdir, accept_change=accept_config_change)
@@ -902,11 +880,6 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         policy_hf = run.starting_policy = s["init"]["policy_hf"]
         s["offline"] = run.stage("offline", "offline", lambda d: stage_offline(run, d, policy_hf))
         traj = s["offline"]["trajectories"]
-        if "sweet_iterative" in methods and "sweet" not in methods:
-            raise PipelineError("config.methods: sweet_iterative starts from SWEET-RL's policy (its round 1); "
-                                "add sweet")
-        if "sweet_balanced" in methods and "sweet" not in methods:
-            raise PipelineError("config.methods: sweet_balanced ranks with SWEET-RL's critic; add sweet")
         needs = {"critic": "sweet" in methods, "critic_no_info": "sweet_no_info" in methods}
         for name, use_info in (("critic", True), ("critic_no_info", False)):
             if needs[name]:
@@ -932,7 +905,6 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                 s["rank_balanced"] = run.stage("rank_balanced", "rank_balanced", lambda d: stage_rank(
                     run, d, policy_hf, s["critic"]["hf"], traj, cands_balanced, use_info=True, balanced=True))
         hf = {"zero_shot": policy_hf}
-        grid = selection_grid(config)
         if grid is not None and grid.validate and "zero_shot" in methods:
             s["valid_zero_shot"] = run.stage("valid_zero_shot", "valid/zero_shot", lambda d: stage_eval(
                 run, d, policy_hf, "zero_shot", split="validation"))

@@ -28,9 +28,9 @@ import re
 from typing import Sequence
 
 from sweet_jax import jsonl
-from sweet_jax.data.loading import load_records
 from sweet_jax.data.schema import PolicyPair
 from sweet_jax.envs import ANSWER_MARKER, discovery, synthetic
+from sweet_jax.rl.run_files import ReportError, check_trajectory_index, read_episodes
 
 TURN_COST = 0.01
 MAX_TURNS = 10          # the environment's default turn limit (envs.ColBenchEnv)
@@ -109,10 +109,11 @@ def turn_state(task, prompt_messages: Sequence[dict]) -> dict:
 def pair_evidence(pairs_path, trajectories_path, *, max_turns: int | None = None) -> list[dict]:
     """Every pair of a ranking (rank*/pairs.jsonl) with what explains it: the state of its turn prompt, the kind
     and oracle worth of each reply, the critic's scores and the oracle's verdict (agree / disagree / tie)."""
-    trajs = jsonl.read(trajectories_path)
+    trajs = read_episodes(trajectories_path)
     rows = []
-    for p in load_records(pairs_path, PolicyPair):
-        task = trajs[p.trajectory_index]["task"]
+    for where, line in jsonl.lines(pairs_path):
+        p = PolicyPair.from_json(jsonl.parse(line, where), where=where)
+        task = check_trajectory_index(p.trajectory_index, trajs, where)["task"]
         worth = [reply_worth(task, p.prompt, r, max_turns=max_turns) for r in (p.chosen, p.rejected)]
         verdict = "agree" if worth[0] > worth[1] else "disagree" if worth[0] < worth[1] else "tie"
         rows.append({"trajectory_index": p.trajectory_index, "turn_index": p.turn, **turn_state(task, p.prompt),
@@ -154,9 +155,13 @@ def pair_kinds(pairs_path, trajectories_path, *, max_turns: int | None = None, f
 def annotate_scores(row: dict, trajectories: Sequence[dict], *, max_turns: int | None = None) -> dict:
     """A ranking's scores line (one turn's candidates) with the turn's state and each candidate's kind and
     oracle worth."""
-    traj = trajectories[row["trajectory_index"]]
+    where = f"scores line of turn {row.get('turn')!r}"
+    traj = check_trajectory_index(row.get("trajectory_index"), trajectories, where)
     history = traj["dialogue_history"]
     assistant = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+    check_turn = row.get("turn")
+    if not isinstance(check_turn, int) or isinstance(check_turn, bool) or not 1 <= check_turn <= len(assistant):
+        raise ReportError(f"{where}: field 'turn': not one of the episode's {len(assistant)} agent turns")
     prompt = history[:assistant[row["turn"] - 1]]
     task = traj["task"]
     return dict(row, **turn_state(task, prompt), kinds=[reply_kind(task, prompt, t) for t in row["texts"]],
@@ -237,7 +242,7 @@ def behaviour_diagnostics(workdir) -> dict:
     out = {}
     for name, path in sources.items():
         if path.exists():
-            out[name] = policy_behaviour(jsonl.read(path))
+            out[name] = policy_behaviour(read_episodes(path))
     return out
 
 

@@ -3,15 +3,14 @@
 `python -m sweet_jax.pipeline_report`."""
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Sequence
 
 import numpy as np
 
 from sweet_jax import lazy
-from sweet_jax.errors import SweetJaxError
 from sweet_jax.rl.intervals import intervals_table
+from sweet_jax.rl.run_files import ReportError, read_run
 
 # Rows in the paper's order (its Table 1), with the names it uses.
 METHOD_NAMES = {
@@ -33,31 +32,14 @@ def metrics_of(runs: Sequence[dict]):
     return FRONTEND_METRICS if runs[0].get("track") == "frontend" else METRICS
 
 
-class ReportError(SweetJaxError):
-    """A results file that is missing or not from the pipeline."""
-
-
 def read_results(workdir) -> dict:
-    path = pathlib.Path(workdir) / "results.json"
-    if not path.exists():
-        raise ReportError(f"{path} does not exist: run `python -m sweet_jax.pipeline --workdir {workdir}` to the end")
-    results = json.loads(path.read_text())
-    if "methods" not in results:
-        raise ReportError(f"{path}: no 'methods' field; this file was not written by sweet_jax.pipeline")
-    for records in (path.parent / "evidence" / "stages.json", path.parent / "stages.json"):
-        if records.exists():  # every stage's done.json record, keyed by its directory (pipeline.write_evidence)
-            results["stage_records"] = json.loads(records.read_text())
-            break
-    diagnostics = path.parent / "diagnostics.json"   # `python -m sweet_jax.pipeline_diagnostics RUN --out` beside it
-    if diagnostics.exists():
-        results["run_diagnostics"] = json.loads(diagnostics.read_text())
-    episodes = path.parent / "evidence" / "episodes.json"   # every held-out episode's reward (pipeline.write_evidence)
-    if episodes.exists():
-        results["episodes"] = json.loads(episodes.read_text())
-    return results
+    """A run's results.json with its stage records, diagnostics and held-out episodes, each file checked as it is
+    read (run_files.read_run: a damaged one is a ReportError naming the file and the field)."""
+    return read_run(workdir)
 
 
-def _cell(values: Sequence[float]) -> str:
+def _cell(values: Sequence[float | None]) -> str:
+    values = [v for v in values if v is not None]   # not measured (a win rate without the zero-shot answers)
     if not values:
         return "n/a"
     if len(values) == 1:
@@ -165,7 +147,8 @@ def rankings_table(runs: Sequence[dict]) -> str:
             if ranking is None:
                 continue
             cells = [_kind_cell(ranking.get("by_kind", {}), kind) for kind in RANKING_KINDS]
-            lines.append(f"| {label} | {r.get('seed')} | {ranking['decided']} | {ranking['agreement_pct']:.1f} | "
+            agreement = "n/a" if ranking.get("agreement_pct") is None else f"{ranking['agreement_pct']:.1f}"
+            lines.append(f"| {label} | {r.get('seed')} | {ranking['decided']} | {agreement} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -277,8 +260,8 @@ def bar_chart(runs: Sequence[dict], png_path, *, title: str = "") -> pathlib.Pat
     width = 0.38
     x = np.arange(len(methods))
     for k, (key, name) in enumerate(metrics_of(runs)):
-        values = [[r["methods"][m][key] for r in runs if m in r["methods"]] for m in methods]
-        means = [float(np.mean(v)) for v in values]
+        values = [[r["methods"][m][key] for r in runs if r["methods"].get(m, {}).get(key) is not None] for m in methods]
+        means = [float(np.mean(v)) if v else 0.0 for v in values]
         errs = [float(np.std(v)) if len(v) > 1 else 0.0 for v in values]
         bars = ax.bar(x + (k - 0.5) * width, means, width, yerr=errs if len(runs) > 1 else None, capsize=3,
                       label=name)
@@ -295,6 +278,20 @@ def bar_chart(runs: Sequence[dict], png_path, *, title: str = "") -> pathlib.Pat
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return png_path
+
+
+def check_report_out(out_dir, workdirs: Sequence) -> pathlib.Path:
+    """The directory a report over `workdirs` may be written to: a new (or empty) one, never a run's own directory
+    (its results.md and results.png are the run's report) nor a report written before. A ReportError otherwise."""
+    out = pathlib.Path(out_dir)
+    runs = {pathlib.Path(w).resolve() for w in workdirs}
+    if out.resolve() in runs or (out.resolve() / "results.json").exists():
+        raise ReportError(f"--out {out_dir}: is a run's own directory; its results.md and results.png are that run's "
+                          "report: pass a new directory")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink() or any(out.iterdir()):
+            raise ReportError(f"--out {out_dir}: already exists; pass a new directory (or remove it first)")
+    return out
 
 
 def write_report(runs: Sequence[dict], out_dir, *, title: str = "") -> tuple[pathlib.Path, pathlib.Path]:

@@ -14,9 +14,11 @@ CheckpointError that says so and moves nothing, and a directory whose checkpoint
 """
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -25,13 +27,34 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from sweet_jax.errors import SweetJaxError
+from sweet_jax.errors import SweetJaxError, disk_full
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointError(SweetJaxError):
     """No readable checkpoint where one was expected."""
+
+
+def _not_a_full_disk(record: logging.LogRecord) -> bool:
+    """Orbax's save threads log each failed write with its traceback; a full disk fails them all at once. The
+    training loop reports it as one line (errors.disk_full), so those records are dropped."""
+    error = record.exc_info[1] if record.exc_info else None
+    return disk_full(error) is None if error is not None else disk_full(Exception(record.getMessage())) is None
+
+
+logging.getLogger("absl").addFilter(_not_a_full_disk)
+
+
+def _quiet_closed_loop(previous, unraisable) -> None:
+    """When a save fails (a full disk), its array writes still in flight complete into the save's closed event loop
+    and TensorStore reports each as an unraisable RuntimeError: dropped, the save's own error says what happened."""
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        previous(unraisable)
+
+
+sys.unraisablehook = functools.partial(_quiet_closed_loop, sys.unraisablehook)
 
 
 class Checkpointer:
@@ -60,7 +83,15 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except BaseException:
+            # a failed save (a full disk): stop the manager's threads anyway; the save's own error is raised
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001 — the same failure again
+                pass
+            raise
         self._manager.close()
 
     # ---------------------------------------------------------------- reading

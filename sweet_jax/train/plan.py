@@ -442,7 +442,11 @@ def fit(config, topology: Topology, *, estimate: bool = False, max_tries: int = 
     """Compile the layouts of fit_layouts in order until one fits (budget_bytes per chip, default the chip's
     HBM): (that layout, its plan, every (layout, plan) tried). (None, None, tried) when none of the first
     max_tries fits."""
-    budget = budget_bytes or topology.hbm_bytes
+    if max_tries < 1:
+        raise PlanError(f"fit: max_tries={max_tries}: compile at least 1 layout")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise PlanError(f"fit: a memory budget of {budget_bytes} bytes a chip: expected > 0 (None = the chip's HBM)")
+    budget = budget_bytes if budget_bytes is not None else topology.hbm_bytes
     tried = []
     for layout in fit_layouts(config, topology)[:max_tries]:
         candidate = with_overrides(config, layout.overrides)

@@ -251,6 +251,15 @@ class Trainer:
                                            "opt_state": checkpoint.abstract_like(self.state.opt_state)})
         if self.restored is not None:
             self.step, items, meta = self.restored
+            end = self.config.train.get("stop_at", 0) or self.total_steps
+            if self.step > end:   # it would stop at once and write a summary of `end` steps holding more
+                self.ckpt.close()
+                field = (f"train.stop_at={self.config.train.stop_at}" if self.config.train.get("stop_at", 0)
+                         else f"train.num_steps={self.config.train.num_steps}" if self.config.train.num_steps > 0
+                         else f"train.epochs={self.config.train.epochs} ({self.total_steps} steps)")
+                raise TrainConfigError(
+                    f"{workdir / CHECKPOINT_DIR} has reached step {self.step}, past this run's last step {end} "
+                    f"({field}): set it to {self.step} or more to go on, or train in another --workdir")
             self.state = self.state.replace(params=items["params"], opt_state=items["opt_state"],
                                             step=jax.device_put(np.int32(self.step), self.state.step.sharding))
             self.batches.restore(meta["data"])
