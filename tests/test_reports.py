@@ -36,6 +36,9 @@ def honest_run(workdir: pathlib.Path, seed: int = 0) -> pathlib.Path:
     (workdir / "results.json").write_text(json.dumps(results, indent=2))
     (workdir / "evidence" / "stages.json").write_text(json.dumps(
         {"init": {"seconds": 60.0, "cpu_seconds": 90.0, "summary": {}}, "eval/sweet": {"seconds": 30.0}}))
+    (workdir / "evidence" / "episodes.json").write_text(json.dumps(
+        {"zero_shot": [[t, k, float(t == 0 and k == 0)] for t in range(4) for k in range(2)],
+         "sweet": [[t, k, float(t < 2)] for t in range(4) for k in range(2)]}))
     (workdir / "diagnostics.json").write_text(json.dumps(
         {"rankings": {"rank": {"pairs": 10, "decided": 8, "ties": 2, "agreement_pct": 62.5,
                                "by_kind": {"question over answer": {"agree": 3, "disagree": 1, "tie": 0}}}},
@@ -92,6 +95,14 @@ DAMAGES = {
         r"field 'behaviour.eval sweet.questions_per_episode': Infinity"),
     "diagnostics a list": ("diagnostics.json", lambda p: p.write_text("[1, 2]"),
                            r"diagnostics.json: field '\(top\)': expected an object"),
+    "episodes reward NaN": ("evidence/episodes.json", lambda p: edit_json(p, lambda r: r["sweet"][3].__setitem__(
+        2, math.nan)), r"episodes.json: field 'sweet\[3\]\[2\] \(reward\)': NaN"),
+    "episodes negative task": ("evidence/episodes.json", lambda p: edit_json(p, lambda r: r["sweet"][0].__setitem__(
+        0, -1)), r"episodes.json: field 'sweet\[0\]\[0\] \(task index\)': -1 is not a count"),
+    "episodes not rows": ("evidence/episodes.json", lambda p: edit_json(p, lambda r: r.update(sweet=[1, 2])),
+                          r"episodes.json: field 'sweet\[0\]': expected \[task index, sample, reward\]"),
+    "truncated episodes": ("evidence/episodes.json", lambda p: p.write_text(p.read_text()[:40]),
+                           r"episodes.json:1: malformed JSON"),
 }
 
 
@@ -112,6 +123,8 @@ def test_honest_run_files_give_the_table(tmp_path, capsys):
     table = (tmp_path / "report" / "results.md").read_text()
     assert "| SWEET-RL | 62.5 ± 0.0 | 50.0 ± 0.0 |" in table and "| SWEET-RL (with c) | 0 | 8 | 62.5 |" in table
     assert "| init | 1 / 2 | 1 / 2 |" in table and (tmp_path / "report" / "results.png").stat().st_size > 0
+    assert "| SWEET-RL - Zero-Shot |" not in table   # not one of the differences the comparison reports
+    assert run_files.read_run(runs[0])["episodes"]["sweet"][0] == [0, 0, 1.0]
 
 
 @pytest.mark.parametrize("path", sorted(str(p.parent) for p in (REPO / "bench" / "results").glob("*/results.json")))
