@@ -9,6 +9,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from sweet_jax import costs
 from sweet_jax.config_utils import TrainConfigError
 from sweet_jax.data.datasets import Dataset
 
@@ -57,8 +58,10 @@ def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding
     lo = it.process_index * it.local_batch_size
     for step in tqdm(batch_steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
         batch = it.batch_at(0, step)
-        logp_BPT = to_host(ref_logp_fn(params, to_global(
-            {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+        with costs.timed("ref_logp_pass"):
+            logp_BPT = to_host(ref_logp_fn(params, to_global(
+                {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+        costs.tokens("ref_logp", batch["attention_mask"].sum(), batch["attention_mask"].size)
         T = batch["input_ids"].shape[-1]
         for row, i in enumerate(it.local_indices(0, step)):
             if i >= 0:
@@ -74,7 +77,8 @@ def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_para
     it, batch_steps = one_pass(dataset, make_batches)
     for step in batch_steps:
         args = (params, to_global(it.batch_at(0, step), sharding)) + ((ref_params,) if ref_params is not None else ())
-        metrics = jax.device_get(eval_fn(*args))
+        with costs.timed("train_eval"):
+            metrics = jax.device_get(eval_fn(*args))
         rows = it.real_rows(0, step)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v) * rows

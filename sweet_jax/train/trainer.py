@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from sweet_jax import cli, host_malloc, sharding
+from sweet_jax import cli, costs, host_malloc, sharding
 from sweet_jax.config_utils import TrainConfigError, check_config
 from sweet_jax.data.datasets import build_datasets
 from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
@@ -362,6 +362,11 @@ class Trainer:
         self.state, m = self.train_step(*args)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         seconds = time.perf_counter() - t0
+        costs.add("train_step_s", seconds)
+        costs.add("train_step_calls")
+        # padded: what the step ran (a host loop's micro-batches each at their own length), real: the mask's ones
+        shapes = getattr(self.train_step, "last_micro_shapes", None) or [host_batch["input_ids"].shape]
+        costs.tokens("train", host_batch["attention_mask"].sum(), sum(int(np.prod(s)) for s in shapes))
         self.step += 1
         if not math.isfinite(m["loss"]):
             raise NanLossError(nan_message(self.ckpt, self.step, m, self.workdir))
