@@ -4,6 +4,8 @@ held-out metrics; and how this host's batch rows become global arrays on the mes
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -50,9 +52,44 @@ def one_pass(dataset: Dataset, make_batches, **kwargs):
     return it, range(it.steps_per_epoch)
 
 
-def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> list:
+def distinct_sequences(dataset: Dataset) -> tuple[Dataset, list[tuple[tuple[int, int], ...]]]:
+    """The split's distinct sequences as a Dataset of the same shape (P sequences an example, longest first, the
+    last example filled with a repeat), and where each example's sequences are in it ((example, position) per
+    sequence). Pairs repeat sequences: a critic task's best trajectory is the chosen side of a pair with each worse
+    one, and a turn prompt's 4 DPO pairs are drawn with replacement from its 16 candidates (40% of a SmolLM2
+    seed's DPO sequences are repeats); each is then run once. Sequences of one example have similar lengths."""
+    P = dataset.num_sequences
+    first: dict[tuple[bytes, bytes], int] = {}
+    order: list = []
+    for example in dataset.examples:
+        for seq in example:
+            key = (np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())
+            if key not in first:
+                first[key] = len(order)
+                order.append(seq)
+    rank = sorted(range(len(order)), key=lambda j: -len(order[j]))   # stable: ties keep their first-seen order
+    slot = {j: divmod(r, P) for r, j in enumerate(rank)}
+    seqs = [order[j] for j in rank]
+    seqs += [seqs[-1]] * (-len(seqs) % P)
+    examples = [tuple(seqs[i:i + P]) for i in range(0, len(seqs), P)]
+    distinct = dataclasses.replace(dataset, examples=examples, ids=list(range(len(examples))),
+                                   num_global=len(examples), extras={}, lengths=None)
+    distinct.gather_lengths()
+    where = [tuple(slot[first[(np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())]]
+                   for seq in example) for example in dataset.examples]
+    return distinct, where
+
+
+def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str, *,
+                   deduplicate: bool = True) -> list:
     """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
-    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist."""
+    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist.
+    deduplicate (one process): each distinct sequence is run once (distinct_sequences); the same values up to
+    float rounding (a sequence's batch neighbours and padded length differ)."""
+    if deduplicate and jax.process_count() == 1 and len(dataset):
+        distinct, where = distinct_sequences(dataset)
+        refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side, deduplicate=False)
+        return [tuple(refs[e][p] for e, p in at) for at in where]
     it, batch_steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
     refs: list = [None] * len(dataset)
     lo = it.process_index * it.local_batch_size

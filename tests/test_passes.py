@@ -1,0 +1,83 @@
+"""sweet_jax.train.passes: the reference pass runs each distinct sequence once, with the values of the pass over
+every example's sequences."""
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from sweet_jax.data.datasets import Dataset
+from sweet_jax.data.render import Rendered
+from sweet_jax.models import Llama, LlamaConfig
+from sweet_jax.train import passes, steps
+
+CFG = LlamaConfig.preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+
+
+def sequence(rng, length: int) -> Rendered:
+    ids = rng.integers(3, CFG.vocab_size, length).astype(np.int32)
+    turns = np.zeros(length, np.int32)
+    turns[length // 2:] = 1
+    return Rendered(ids, turns)
+
+
+def pairs_with_repeats(seed: int = 0) -> Dataset:
+    """DPO-like pairs: 3 turn prompts, 4 pairs each drawn with replacement from 4 candidates of various lengths;
+    one pair whose two sides are the same sequence."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(3):
+        candidates = [sequence(rng, int(n)) for n in rng.integers(5, 40, 4)]
+        for _ in range(4):
+            a, b = rng.integers(0, 4, 2)
+            examples.append((candidates[a], candidates[b]))
+    examples.append((examples[0][0], examples[0][0]))
+    dataset = Dataset(examples=examples, ids=list(range(len(examples))), num_global=len(examples), tasks=3,
+                      num_sequences=2)
+    dataset.gather_lengths()
+    return dataset
+
+
+def make_batches(dataset, **kwargs):
+    config = ml_collections.ConfigDict({"train": {"batch_size": 4, "seed": 0}, "loss": {"score_positions": False},
+                                        "data": {"padding_side": "right", "max_len": 64, "bucket": 16}})
+    return dataset.batches(config, pad_id=0, **kwargs)
+
+
+def test_distinct_sequences_keep_each_sequence_once_and_say_where_each_example_went():
+    dataset = pairs_with_repeats()
+    distinct, where = passes.distinct_sequences(dataset)
+    keys = {s.input_ids.tobytes() for ex in dataset.examples for s in ex}
+    listed = [s.input_ids.tobytes() for ex in distinct.examples for s in ex]
+    assert set(listed) == keys and len(listed) - len(keys) in (0, 1)   # one repeat fills the last example
+    assert len(keys) < 2 * len(dataset)
+    for example, at in zip(dataset.examples, where):
+        for seq, (e, p) in zip(example, at):
+            assert np.array_equal(distinct.examples[e][p].input_ids, seq.input_ids)
+    lengths = [len(s) for ex in distinct.examples for s in ex]
+    assert lengths == sorted(lengths, reverse=True)   # longest first: an example's sequences pad little
+
+
+def test_the_deduplicated_reference_pass_equals_the_pass_over_every_example_and_runs_fewer_rows():
+    dataset = pairs_with_repeats()
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ref_fn = steps.make_ref_logp_fn(graphdef, rest=rest, chunk_size=8)
+    batches = []
+
+    def counted(params, batch):
+        batches.append(batch["input_ids"].shape)
+        return ref_fn(params, batch)
+
+    sharding = steps.batch_sharding(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                                      ("data", "fsdp", "tensor")))
+    every = passes.reference_pass(counted, params, dataset, make_batches, sharding, "right", deduplicate=False)
+    every_batches, batches[:] = len(batches), []
+    once = passes.reference_pass(counted, params, dataset, make_batches, sharding, "right")
+    distinct, _ = passes.distinct_sequences(dataset)
+    assert every_batches == -(-len(dataset) // 4) and len(batches) == -(-len(distinct.examples) // 4) < every_batches
+    assert len(once) == len(every) == len(dataset)
+    for a, b, example in zip(once, every, dataset.examples):
+        for x, y, seq in zip(a, b, example):
+            assert x.shape == y.shape == (len(seq),)
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
