@@ -81,3 +81,24 @@ def test_the_deduplicated_reference_pass_equals_the_pass_over_every_example_and_
         for x, y, seq in zip(a, b, example):
             assert x.shape == y.shape == (len(seq),)
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_run_that_stops_early_gets_reference_log_probs_for_the_examples_its_steps_reach_only():
+    dataset = pairs_with_repeats()
+    batches = make_batches(dataset)   # 4 examples a batch, shuffled: 13 examples in 4 batches an epoch
+    reached = passes.trained_examples(batches, 2)
+    assert reached == {int(i) for step in (0, 1) for i in batches.local_indices(0, step) if i >= 0}
+    assert len(reached) == 8 and passes.trained_examples(batches, 5) == set(range(len(dataset)))
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ref_fn = steps.make_ref_logp_fn(graphdef, rest=rest, chunk_size=8)
+    sharding = steps.batch_sharding(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                                      ("data", "fsdp", "tensor")))
+    every = passes.reference_pass(ref_fn, params, dataset, make_batches, sharding, "right", deduplicate=False)
+    some = passes.reference_pass(ref_fn, params, dataset, make_batches, sharding, "right", only=reached)
+    for i, (a, b) in enumerate(zip(some, every)):
+        if i not in reached:
+            assert a is None
+            continue
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

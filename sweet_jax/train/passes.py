@@ -5,6 +5,7 @@ held-out metrics; and how this host's batch rows become global arrays on the mes
 from __future__ import annotations
 
 import dataclasses
+from typing import Collection
 
 import jax
 import numpy as np
@@ -52,16 +53,20 @@ def one_pass(dataset: Dataset, make_batches, **kwargs):
     return it, range(it.steps_per_epoch)
 
 
-def distinct_sequences(dataset: Dataset) -> tuple[Dataset, list[tuple[tuple[int, int], ...]]]:
+def distinct_sequences(dataset: Dataset, only: Collection[int] | None = None
+                       ) -> tuple[Dataset, list[tuple[tuple[int, int], ...] | None]]:
     """The split's distinct sequences as a Dataset of the same shape (P sequences an example, longest first, the
     last example filled with a repeat), and where each example's sequences are in it ((example, position) per
     sequence). Pairs repeat sequences: a critic task's best trajectory is the chosen side of a pair with each worse
     one, and a turn prompt's 4 DPO pairs are drawn with replacement from its 16 candidates (40% of a SmolLM2
-    seed's DPO sequences are repeats); each is then run once. Sequences of one example have similar lengths."""
+    seed's DPO sequences are repeats); each is then run once. Sequences of one example have similar lengths.
+    only: the examples to cover (indices into dataset.examples); the others' place is None."""
     P = dataset.num_sequences
     first: dict[tuple[bytes, bytes], int] = {}
     order: list = []
-    for example in dataset.examples:
+    for i, example in enumerate(dataset.examples):
+        if only is not None and i not in only:
+            continue
         for seq in example:
             key = (np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())
             if key not in first:
@@ -74,22 +79,32 @@ def distinct_sequences(dataset: Dataset) -> tuple[Dataset, list[tuple[tuple[int,
     examples = [tuple(seqs[i:i + P]) for i in range(0, len(seqs), P)]
     distinct = dataclasses.replace(dataset, examples=examples, ids=list(range(len(examples))),
                                    num_global=len(examples), extras={}, lengths=None)
-    distinct.gather_lengths()
-    where = [tuple(slot[first[(np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())]]
-                   for seq in example) for example in dataset.examples]
+    if examples:
+        distinct.gather_lengths()
+    where = [None if only is not None and i not in only else
+             tuple(slot[first[(np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())]]
+                   for seq in example) for i, example in enumerate(dataset.examples)]
     return distinct, where
 
 
+def trained_examples(batches, num_steps: int) -> set[int]:
+    """Indices into a BatchIterator's examples (this host's) that its first num_steps batches hold."""
+    per_epoch = batches.steps_per_epoch
+    return {int(i) for step in range(num_steps) for i in batches.local_indices(*divmod(step, per_epoch)) if i >= 0}
+
+
 def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str, *,
-                   deduplicate: bool = True) -> list:
+                   deduplicate: bool = True, only: Collection[int] | None = None) -> list:
     """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
     (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist.
     deduplicate (one process): each distinct sequence is run once (distinct_sequences); the same values up to
-    float rounding (a sequence's batch neighbours and padded length differ)."""
-    if deduplicate and jax.process_count() == 1 and len(dataset):
-        distinct, where = distinct_sequences(dataset)
-        refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side, deduplicate=False)
-        return [tuple(refs[e][p] for e, p in at) for at in where]
+    float rounding (a sequence's batch neighbours and padded length differ). only (one process): the examples
+    that need them (a run that stops before an epoch ends trains on a part of its split); None for the others."""
+    if (deduplicate or only is not None) and jax.process_count() == 1 and len(dataset):
+        distinct, where = distinct_sequences(dataset, only)
+        refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side,
+                              deduplicate=False) if distinct.examples else []
+        return [None if at is None else tuple(refs[e][p] for e, p in at) for at in where]
     it, batch_steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
     refs: list = [None] * len(dataset)
     lo = it.process_index * it.local_batch_size

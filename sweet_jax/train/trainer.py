@@ -234,10 +234,14 @@ class Trainer:
             return train_set, eval_set
         ref_fn = steps.make_ref_logp_fn(self.state.graphdef, steps.shardings_of(self.state.params), self.mesh,
                                         rest=self.state.rest)
+        # The training split's examples that this run's steps reach (train.stop_at, or fewer steps than an epoch)
+        end = self.config.train.get("stop_at", 0) or self.total_steps
+        trained = passes.trained_examples(self.make_batches(train_set), end) if jax.process_count() == 1 else None
         return tuple(
             dataset.with_extras(ref_logp=passes.reference_pass(ref_fn, self.state.params, dataset, self.make_batches,
-                                                               self.batch_sh, self.config.data.padding_side))
-            if dataset.num_examples else dataset for dataset in (train_set, eval_set))
+                                                               self.batch_sh, self.config.data.padding_side,
+                                                               only=only))
+            if dataset.num_examples else dataset for dataset, only in ((train_set, trained), (eval_set, None)))
 
     # ------------------------------------------------------------------------------------------------------
     def resume(self) -> None:
