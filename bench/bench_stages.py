@@ -5,9 +5,11 @@ the other, or with --together at once), with their ratio and their outputs compa
 
     python bench/bench_stages.py --model HF_DIR --out OUT --before REV [--together] [--preset smollm2_select] [--scale 0.25]
     python bench/bench_stages.py --model HF_DIR --out OUT [--preset smollm2] [--scale 0.25]
+    python bench/bench_stages.py --evidence bench/results/select_seed2/evidence
 
 --before REV: "before" is the pipeline at git revision REV (a git worktree in OUT/before/src), "after" this tree.
 Without it the sides are the float32 and bfloat16 CPU matmuls (model.cpu_matmul = xla | auto) of this tree.
+--evidence: the stage table of a kept run (its stages.json and per-step metrics), nothing run.
 
 HF_DIR: SmolLM2-135M-Instruct as an HF directory (`python -m sweet_jax.models.gguf smollm2 HF_DIR`). --preset
 smollm2_select runs a frozen seed of the comparison (select.frozen: seed 0's choices from
@@ -164,6 +166,29 @@ def cost_table(recs: dict[str, dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def evidence_table(evidence: pathlib.Path) -> str:
+    """A kept run's stage times (its evidence/stages.json) with the train steps' share (its metrics_*.jsonl): what
+    runs before the costs existed can say about where their minutes went."""
+    recs = json.loads((evidence / "stages.json").read_text())
+    lines = [f"Stage times of {evidence.parent.name} (seconds; train steps from the per-step metrics, the first step "
+             "includes its compilation):", "", "| stage | wall | CPU | load | train steps | first step | steps | "
+             "median step | rest |", "|---|---|---|---|---|---|---|---|---|"]
+    total = [0.0, 0.0, 0.0]
+    for stage, r in sorted(recs.items(), key=lambda kv: -kv[1]["seconds"]):
+        if r["seconds"] < 1:
+            continue
+        steps = [m["step_seconds"] for m in _jsonl(evidence / f"metrics_{stage.replace('/', '_')}.jsonl")
+                 if m.get("split") == "train"]
+        load = r.get("load_average") or [float("nan")] * 2
+        total = [total[0] + r["seconds"], total[1] + r["cpu_seconds"], total[2] + sum(steps)]
+        cells = (f"{sum(steps):.0f} | {steps[0]:.0f} | {len(steps)} | {sorted(steps)[len(steps) // 2]:.1f}"
+                 if steps else " | | | ")
+        lines.append(f"| {stage} | {r['seconds']:.0f} | {r['cpu_seconds']:.0f} | {load[0]:.1f} -> {load[1]:.1f} | "
+                     f"{cells} | {r['seconds'] - sum(steps):.0f} |")
+    lines.append(f"| all | {total[0]:.0f} | {total[1]:.0f} | | {total[2]:.0f} | | | | {total[0] - total[2]:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _jsonl(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -200,8 +225,10 @@ def compare_outputs(a: pathlib.Path, b: pathlib.Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="SmolLM2-135M-Instruct as an HF directory")
-    parser.add_argument("--out", required=True, help="directory of the two sides' workdirs")
+    parser.add_argument("--evidence", default="", help="only print a kept run's table (e.g. "
+                        "bench/results/select_seed2/evidence) and exit")
+    parser.add_argument("--model", help="SmolLM2-135M-Instruct as an HF directory")
+    parser.add_argument("--out", help="directory of the two sides' workdirs")
     parser.add_argument("--before", default="", help="git revision of the 'before' side (else: float32 vs bf16)")
     parser.add_argument("--preset", default="smollm2", choices=sorted(COUNTS))
     parser.add_argument("--scale", type=float, default=0.25, help="multiplies the preset's counts (1 = full size)")
@@ -211,6 +238,11 @@ def main() -> None:
                         help="--before: run both sides at once (same load over time) instead of one after the other")
     parser.add_argument("--sides", default="", help="run only these, or none (the tables read both workdirs)")
     args = parser.parse_args()
+    if args.evidence:
+        print(evidence_table(pathlib.Path(args.evidence)))
+        return
+    if not args.model or not args.out:
+        parser.error("--model and --out are required (unless --evidence)")
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sides = BEFORE_AFTER if args.before else MATMUL_SIDES
