@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -95,12 +96,24 @@ def run_side(args, side: str, init_from: pathlib.Path | None, *, wait: bool = Tr
     if side in BEFORE_AFTER:
         if side != "before":
             cmd.append(f"--config.init.from_run={init_from}")
+            reuse(init_from, workdir, [s for s in args.reuse.split(",") if s])
         env.update(PYTHONPATH=str(src), JAX_COMPILATION_CACHE_DIR=str(workdir / "jax_cache"))
     print("$", " ".join(cmd), f"(in {src})", flush=True)
     proc = subprocess.Popen(cmd, cwd=src, env=env)
     if wait and proc.wait():
         raise SystemExit(f"error: the {side} side's pipeline exited with status {proc.returncode}")
     return proc
+
+
+def reuse(src: pathlib.Path, dst: pathlib.Path, stages: list[str]) -> None:
+    """Copy finished stages (their directories, done.json included) so that this side skips them: stages whose
+    code the comparison does not change, whose outputs the next stages then read on both sides alike."""
+    for stage in stages:
+        if not (src / stage / "done.json").exists():
+            raise SystemExit(f"error: --reuse {stage}: {src / stage / 'done.json'} does not exist; run that side first")
+        if not (dst / stage / "done.json").exists():
+            shutil.rmtree(dst / stage, ignore_errors=True)
+            shutil.copytree(src / stage, dst / stage, symlinks=True)
 
 
 def run_together(args, sides, init_from: pathlib.Path) -> None:
@@ -118,17 +131,21 @@ def run_together(args, sides, init_from: pathlib.Path) -> None:
 
 def records(workdir: pathlib.Path) -> dict[str, dict]:
     """Every stage's done.json record, keyed by its directory."""
-    return {str(p.parent.relative_to(workdir)): json.loads(p.read_text())
-            for p in sorted(workdir.glob("**/done.json")) if "src" not in p.parts[len(workdir.parts):][:1]}
+    return {str(rel.parent): json.loads((workdir / rel).read_text()) for rel in _outputs(workdir, "done.json")}
 
 
-def stage_table(by_side: dict[str, dict[str, dict]], title: str) -> str:
+def stage_table(by_side: dict[str, dict[str, dict]], title: str, reused: frozenset = frozenset()) -> str:
+    """Wall / CPU seconds per stage on each side, their ratio; reused stages (--reuse) count in neither total."""
     a, b = by_side
     lines = [title, "", f"| stage | {a} | {b} | wall ratio | CPU ratio |", "|---|---|---|---|---|"]
     stages = [s for s in by_side[a] if s != "report"] + [s for s in by_side[b] if s not in by_side[a] and s != "report"]
     totals = {side: [0.0, 0.0] for side in by_side}
     for stage in stages:
         cells, pair = [], []
+        if stage in reused:
+            r = by_side[a][stage]
+            lines.append(f"| {stage} | {r['seconds']:.0f} / {r.get('cpu_seconds') or 0:.0f} | (copied) | | |")
+            continue
         for side in by_side:
             r = by_side[side].get(stage)
             if r is None:
@@ -194,28 +211,32 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def _episodes(path: pathlib.Path) -> dict:
-    return {(r["rollout"]["task_index"], r["rollout"]["sample"]): (r["dialogue_history"], r.get("reward"))
-            for r in _jsonl(path)}
+    return {(r["rollout"]["task_index"], r["rollout"]["sample"]) if "rollout" in r else i:
+            (r["dialogue_history"], r.get("reward")) for i, r in enumerate(_jsonl(path))}
 
 
-def compare_outputs(a: pathlib.Path, b: pathlib.Path) -> str:
-    """Each stage's outputs on the two sides: episodes (identical dialogues and rewards), pairs, candidates'
-    scores, per-step training losses (largest difference)."""
+def _outputs(workdir: pathlib.Path, name: str) -> list[pathlib.Path]:
+    """The run's files called `name`, relative to it (not the source tree or the compilation cache)."""
+    return [p.relative_to(workdir) for p in sorted(workdir.glob(f"**/{name}"))
+            if p.relative_to(workdir).parts[0] not in ("src", "jax_cache")]
+
+
+def compare_outputs(a: pathlib.Path, b: pathlib.Path, reused: frozenset = frozenset()) -> str:
+    """Each stage's outputs on the two sides (reused stages left out): episodes (identical dialogues and rewards),
+    pairs, per-step training losses (largest difference)."""
+    ran = lambda rel: not any(str(rel).startswith(stage + "/") for stage in reused)  # noqa: E731
     lines = ["Outputs compared (before vs after):", "", "| output | equal | detail |", "|---|---|---|"]
-    for traj in sorted(a.glob("**/trajectories.jsonl")):
-        rel = traj.relative_to(a)
-        ea, eb = _episodes(traj), _episodes(b / rel)
+    for rel in filter(ran, _outputs(a, "trajectories.jsonl")):
+        ea, eb = _episodes(a / rel), _episodes(b / rel)
         same = sum(ea[k] == eb.get(k) for k in ea)
         lines.append(f"| {rel} | {'yes' if same == len(ea) == len(eb) else 'no'} | {same} of {len(ea)} episodes "
                      f"identical; success {sum(r == 1.0 for _, r in ea.values())} vs "
                      f"{sum(r == 1.0 for _, r in eb.values())} |")
-    for pairs in sorted(a.glob("**/pairs.jsonl")):
-        rel = pairs.relative_to(a)
-        pa, pb = _jsonl(pairs), _jsonl(b / rel)
+    for rel in filter(ran, _outputs(a, "pairs.jsonl")):
+        pa, pb = _jsonl(a / rel), _jsonl(b / rel)
         lines.append(f"| {rel} | {'yes' if pa == pb else 'no'} | {len(pa)} vs {len(pb)} pairs |")
-    for metrics in sorted(a.glob("**/train/metrics.jsonl")):
-        rel = metrics.relative_to(a)
-        ma = [r for r in _jsonl(metrics) if r.get("split") == "train"]
+    for rel in filter(ran, _outputs(a, "metrics.jsonl")):
+        ma = [r for r in _jsonl(a / rel) if r.get("split") == "train"]
         mb = [r for r in _jsonl(b / rel) if r.get("split") == "train"]
         diff = max((abs(x["loss"] - y["loss"]) for x, y in zip(ma, mb)), default=float("nan"))
         lines.append(f"| {rel.parent.parent} losses | {'yes' if len(ma) == len(mb) and diff < 1e-4 else 'no'} | "
@@ -236,6 +257,8 @@ def main() -> None:
     parser.add_argument("--methods", default="", help="config.methods (default: the preset's)")
     parser.add_argument("--together", action="store_true",
                         help="--before: run both sides at once (same load over time) instead of one after the other")
+    parser.add_argument("--reuse", default="", help="--before: stages 'after' copies from 'before' instead of "
+                        "running them (e.g. offline,candidates: code the comparison does not change)")
     parser.add_argument("--sides", default="", help="run only these, or none (the tables read both workdirs)")
     args = parser.parse_args()
     if args.evidence:
@@ -253,12 +276,13 @@ def main() -> None:
         if side != "none":
             run_side(args, side, init_from)
     by_side = {s: records(out / s) for s in sides}
+    reused = frozenset(x for x in args.reuse.split(",") if x) | ({"init"} if args.before else frozenset())
     text = stage_table(by_side, f"Stage times, seconds, {args.preset} at scale {args.scale}, seed {args.seed} "
-                                "(wall / CPU; load average at start -> end):")
+                                "(wall / CPU; load average at start -> end):", reused)
     for s in sides:
         text += "\n" + cost_table(by_side[s], f"Where the seconds went, {s} (seconds; tokens in thousands):")
     if args.before:
-        text += "\n" + compare_outputs(out / "before", out / "after")
+        text += "\n" + compare_outputs(out / "before", out / "after", reused)
     (out / "stages.md").write_text(text)
     print(text)
 
