@@ -102,3 +102,31 @@ def test_a_run_that_stops_early_gets_reference_log_probs_for_the_examples_its_st
             continue
         for x, y in zip(a, b):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_critic_run_has_the_old_per_step_losses_with_each_distinct_sequence_referenced_once(tmp_path, monkeypatch):
+    """The critic's pairs repeat each task's best trajectory (chosen against every worse one): the trainer with
+    the reference pass over every example's sequences (the old way) and with each distinct one once."""
+    import functools
+    import json
+    import pathlib
+
+    from test_train import demo_config, small_trajectories
+
+    from sweet_jax.train import trainer
+
+    data = small_trajectories(tmp_path / "trajectories.jsonl")
+    config = demo_config(file="critic.py", preset="demo", data__trajectories=str(data), data__max_len=256,
+                         data__bucket=256, train__batch_size=8, train__num_steps=3, train__eval_every=0,
+                         train__ckpt_every=0, data__eval_fraction=0.0)
+    runs = {}
+    for way, deduplicate in (("every", False), ("once", True)):
+        with monkeypatch.context() as m:
+            m.setattr(passes, "reference_pass", functools.partial(passes.reference_pass, deduplicate=deduplicate))
+            trainer.run(config, tmp_path / way)
+        runs[way] = [json.loads(line) for line in pathlib.Path(tmp_path / way / "metrics.jsonl").read_text().splitlines()]
+    every, once = ([r for r in runs[w] if r["split"] == "train"] for w in ("every", "once"))
+    assert [r["step"] for r in every] == [r["step"] for r in once] == [1, 2, 3]
+    for a, b in zip(every, once):
+        for k in ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "grad_norm"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{k} at step {a['step']}")
