@@ -130,3 +130,33 @@ def test_a_critic_run_has_the_old_per_step_losses_with_each_distinct_sequence_re
     for a, b in zip(every, once):
         for k in ("loss", "pair_accuracy", "margin", "chosen_score", "rejected_score", "grad_norm"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{k} at step {a['step']}")
+
+
+def test_the_trainer_cuts_host_loop_micro_batches_at_data_micro_bucket_and_the_smollm2_stages_at_32(tmp_path):
+    import contextlib
+    import sys
+
+    from test_train import REPO, demo_config
+
+    from sweet_jax import config_utils
+    from sweet_jax.data.tokenizers import load_tokenizer
+    from sweet_jax.train import model_loading, trainer
+
+    config = demo_config(file="critic.py", preset="demo", data__micro_bucket=16, data__bucket=256)
+    tr = trainer.Trainer(config, tmp_path, model_loading.make_mesh((1, 1, 1)))
+    tokenizer = load_tokenizer(model_loading.tokenizer_path(config))
+    tr.load_data(tokenizer)
+    with contextlib.ExitStack() as scope:
+        tr.build_steps(tokenizer, scope)
+    assert isinstance(tr.train_step, steps.HostLoopStep) and tr.train_step.length_multiple == 16
+
+    sys.path.insert(0, str(REPO))
+    from configs import pipeline as pipeline_configs
+    pipeline = pipeline_configs.get_config("smollm2_select")
+    for stage in config_utils.TRAINING_STAGES:
+        section = pipeline
+        for part in stage.split("."):
+            section = section[part]
+        train = config_utils.stage_train_config(pipeline, section)
+        assert (train.data.bucket, train.data.micro_bucket) == (128, 32), stage
+    assert pipeline_configs.get_config("demo").train.micro_bucket == 0   # elsewhere: data.bucket, as before

@@ -219,7 +219,7 @@ class Trainer:
         ref_in_step = config.train.ref_logp == "in_step"
         self.train_step = steps.make_step(self.spec, self.state, optimizer, mesh, lr_schedule=lr_schedule,
                                           micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step,
-                                          length_multiple=config.data.bucket,
+                                          length_multiple=config.data.get("micro_bucket", 0) or config.data.bucket,
                                           score_positions=config.loss.score_positions)
         self.eval_step = steps.make_eval_step(self.spec, self.state, mesh, ref_in_step=ref_in_step)
 
