@@ -7,7 +7,7 @@ the other, or with --together at once), with their ratio and their outputs compa
     python bench/bench_stages.py --model HF_DIR --out OUT [--preset smollm2] [--scale 0.25]
     python bench/bench_stages.py --evidence bench/results/select_seed2/evidence
 
---before REV: "before" is the pipeline at git revision REV (a git worktree in OUT/before/src), "after" this tree.
+--before REV: "before" is the pipeline at git revision REV (its files exported to OUT/before/src), "after" this tree.
 Without it the sides are the float32 and bfloat16 CPU matmuls (model.cpu_matmul = xla | auto) of this tree.
 --evidence: the stage table of a kept run (its stages.json and per-step metrics), nothing run.
 
@@ -71,12 +71,15 @@ def frozen_selection(out: pathlib.Path, scale: float) -> pathlib.Path:
 
 
 def source_tree(args, side: str) -> pathlib.Path:
-    """The tree a side runs: this one, or (before) a git worktree of --before."""
+    """The tree a side runs: this one, or (before) the files of revision --before."""
     if side != "before":
         return REPO
     src = pathlib.Path(args.out).resolve() / "before" / "src"
-    if not src.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(src), args.before], check=True, cwd=REPO)
+    if not src.exists():   # an export of the revision's files, not a worktree: the repository's metadata is not touched
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", args.before], check=True, cwd=REPO,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     return src
 
 
