@@ -50,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ""             # HF tokenizer directory; '' = model.path if set, else the demo tokenizer
     c.data.max_len = 1024             # tokens per sequence (after bucketing)
     c.data.bucket = 128               # sequence lengths are rounded up to a multiple of this
+    c.data.micro_bucket = 0           # one CPU device: each micro-batch's length rounds up to this (0 = data.bucket)
     c.data.length_policy = "truncate"  # truncate | drop | cut_right (official): sequences longer than max_len
     c.data.mask_style = "turns"       # turns (reply + end-of-turn) | official (the fork's mask, data/render.py)
     c.data.info_template = OFFICIAL_INFO_TEMPLATE  # how c is said: the official code's wording
@@ -162,6 +163,7 @@ TRAIN_RANGES = {
     "model.attention_chunk_size": (int, above(0), "query rows per attention block"),
     "data.max_len": (int, closed(1, INT32_MAX), "tokens per sequence; positions are int32"),
     "data.bucket": (int, above(0), "sequence lengths round up to a multiple of it"),
+    "data.micro_bucket": (int, at_least(0), "0 = data.bucket"),
     "data.eval_fraction": (float, between(0, 1), "fraction of tasks held out"),
     "data.min_gap": (float, at_least(0), "minimum reward gap of a critic pair"),
     "train.batch_size": (int, above(0), "pairs per optimiser step"),
@@ -248,6 +250,7 @@ TRAINING_STAGES = ("init.sft", "critic", "sweet", "mtdpo", "rft")  # the pipelin
 SHARED_FIELDS = {"model.dtype": "model.dtype", "model.remat": "model.remat", "model.scan_layers": "model.scan_layers",
                  "model.attention_impl": "model.attention_impl", "model.cpu_matmul": "model.cpu_matmul",
                  "train.max_len": "data.max_len", "train.bucket": "data.bucket",
+                 "train.micro_bucket": "data.micro_bucket",
                  "rank.info_template": "data.info_template", "rank.info_placement": "data.info_placement",
                  "collect.pair_rule": "data.pair_rule", "collect.min_gap": "data.min_gap",
                  "train.micro_batch_size": "train.micro_batch_size", "train.ref_logp": "train.ref_logp",

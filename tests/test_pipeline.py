@@ -206,6 +206,31 @@ def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
 
 
 @pytest.mark.slow
+def test_every_stage_records_where_its_seconds_went(workdir):
+    def costs(stage):
+        return json.loads((workdir / stage / "done.json").read_text())["costs"]
+
+    critic = costs("critic")   # 3 steps, the reference pass before them, its held-out evaluation after
+    seconds = json.loads((workdir / "critic" / "done.json").read_text())["seconds"]
+    assert critic["train_step_calls"] == 3
+    assert 0 < critic["train_step_s"] + critic["ref_logp_pass_s"] + critic["train_eval_s"] <= seconds
+    assert critic["ref_logp_pass_calls"] >= 1 and critic["train_eval_calls"] >= 1
+    assert 0 < critic["train_tokens"] <= critic["train_padded_tokens"]
+    assert 0 < critic["ref_logp_tokens"] <= critic["ref_logp_padded_tokens"]
+    rank = costs("rank")
+    assert rank["score_pass_calls"] >= 2 and 0 < rank["score_tokens"] <= rank["score_padded_tokens"]
+    for stage in ("offline", "eval/sweet"):
+        c = costs(stage)
+        assert c["sample_prefill_calls"] >= 1 and c["sample_decode_s"] > 0 and c["sandbox_calls"] >= 1
+        assert 0 < c["sample_prompt_tokens"] <= c["sample_prompt_padded_tokens"]
+        assert 0 < c["sample_new_tokens"] <= c["sample_new_padded_tokens"]
+        # a stage's timers never hold more than its wall time (they do not overlap)
+        record = json.loads((workdir / stage / "done.json").read_text())
+        assert c["policy_act_s"] + c["sandbox_s"] + c["simulator_s"] <= record["seconds"]
+        assert c["sample_prefill_s"] + c["sample_decode_s"] <= c["policy_act_s"]
+
+
+@pytest.mark.slow
 def test_another_seed_reuses_the_starting_policy_of_a_finished_run(workdir, tmp_path):
     sys.path.insert(0, str(REPO))
     from configs import pipeline as pipeline_configs

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sweet_jax import config_utils, jsonl
+from sweet_jax import config_utils, costs, jsonl
 from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges, check_stages
 from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
 from sweet_jax.data.frontend import load_frontend_tasks
@@ -149,13 +149,15 @@ class Run:
             return json.loads(marker.read_text())["summary"]
         d.mkdir(parents=True, exist_ok=True)
         log.info("stage %-14s running in %s", name, d)
+        costs.listen_to_compiles()
+        costs.reset()
         t0, cpu0, load0 = time.time(), _cpu_seconds(), os.getloadavg()[0]
         summary = fn(d)
         seconds = time.time() - t0
         # CPU seconds and load averages beside the wall time: on a shared machine the wall time alone says
-        # little; cpu_seconds / cores is the idle machine's wall time, roughly.
+        # little; cpu_seconds / cores is the idle machine's wall time, roughly. costs: where the seconds went.
         record = {"stage": name, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
-                  "load_average": [load0, os.getloadavg()[0]], "summary": summary}
+                  "load_average": [load0, os.getloadavg()[0]], "costs": costs.snapshot(), "summary": summary}
         marker.write_text(json.dumps(record, indent=2) + "\n")
         log.info("stage %-14s done in %.0f s (%.0f CPU s, load %.1f -> %.1f): %s", name, seconds,
                  record["cpu_seconds"], *record["load_average"], _short(summary))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from sweet_jax import jsonl
+from sweet_jax import costs, jsonl
 from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
 from sweet_jax.data import demo, frontend as frontend_data, loading
 from sweet_jax.data.tokenizers import apply_chat_template
@@ -135,14 +135,16 @@ def run_episodes(episodes: Sequence[Episode], policy, simulator: Simulator) -> N
     """Play every episode to its end (answer, turn limit or failure), batching across episodes."""
     live = [e for e in episodes if not e.env.done and e.failure is None]
     while live:
-        replies = policy.act([e.env.messages() for e in live])
+        with costs.timed("policy_act"):   # rendering, sampling, decoding the replies
+            replies = policy.act([e.env.messages() for e in live])
         for episode, reply in zip(live, replies):
             if reply.text is None:
                 episode.failure = f"policy: {reply.error}"
             else:
                 episode.env.act(reply.text, prompt=reply.prompt)
         asking = [e for e in live if e.failure is None and not e.env.done]
-        answers = simulator.reply_many([(e.env.task, e.env.messages()) for e in asking])
+        with costs.timed("simulator"):
+            answers = simulator.reply_many([(e.env.task, e.env.messages()) for e in asking])
         for episode, answer in zip(asking, answers):
             if isinstance(answer, SimulatorError):
                 episode.failure = f"simulator: {answer}"
@@ -271,7 +273,8 @@ def rollout(tasks: Sequence[Any], policy, simulator: Simulator, out_path, *, bes
         episodes = [Episode(i, s, make_env(tasks[i], max_turns=max_turns)) for i, s in todo[start:start + batch_size]]
         run_episodes(episodes, policy, simulator)
         finished = [e for e in episodes if e.failure is None]
-        scores = evaluator.score_many([(e.env.task, e.env.answer) for e in finished]) if evaluator else None
+        with costs.timed("sandbox"):
+            scores = evaluator.score_many([(e.env.task, e.env.answer) for e in finished]) if evaluator else None
         records, failures = [], []
         for j, e in enumerate(finished):
             score = scores[j] if scores is not None else None

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from sweet_jax import jsonl
+from sweet_jax import costs, jsonl
 from sweet_jax.config_utils import RANK_RANGES, check_ranges
 from sweet_jax.data import demo, loading, render, tokenizers
 from sweet_jax.data.pairs import policy_pairs
@@ -339,7 +339,9 @@ def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]
             n = len(seqs[i][0])
             ids[r, :n], mask[r, :n], turns[r, :n] = seqs[i][0], 1, seqs[i][1]
         mask[len(rows):, 0] = 1  # padding rows attend to one token, never an empty row
-        scores[rows] = np.asarray(mean_logp(ids, mask, turns))[:len(rows)]
+        with costs.timed("score_pass"):
+            scores[rows] = np.asarray(mean_logp(ids, mask, turns))[:len(rows)]
+        costs.tokens("score", sum(len(seqs[i][0]) for i in rows), ids.size)
     return scores
 
 
@@ -383,7 +385,9 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
             turns = np.zeros((B, T), np.int32)
             for r, (_, row_ids, row_turns, _) in enumerate(rows):
                 ids[r, :len(row_ids)], mask[r, :len(row_ids)], turns[r, :len(row_ids)] = row_ids, 1, row_turns
-            got = prefix_mean_logp(prefix_ids, prefix_mask, ids, mask, turns)
+            with costs.timed("score_pass"):
+                got = prefix_mean_logp(prefix_ids, prefix_mask, ids, mask, turns)
+            costs.tokens("score", len(prefix) + sum(len(row[1]) for row in rows), S + ids.size)
             for r, (*_, where) in enumerate(rows):
                 scores[where] = got[r]
     return scores

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -52,7 +53,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from sweet_jax import sharding
+from sweet_jax import costs, sharding
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul, positions_from_mask
@@ -644,8 +645,11 @@ class Sampler(BaseSampler):
         windows = decode_windows(P, T)
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
-        cache, logits, prompt_len, cache_mask = self._prefill_fn(L, P)(
-            graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask), put(sample_row))
+        with costs.timed("sample_prefill"):  # blocks on the prefill once a batch: the decode waits for it anyway
+            cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_fn(L, P)(
+                graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask), put(sample_row)))
+        costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in requests), prefix_ids.shape[1] + B * W)
+        decode_start = time.perf_counter()
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
                     keys=put(keys))
@@ -685,6 +689,8 @@ class Sampler(BaseSampler):
 
         tokens, logprobs, length, stopped = jax.device_get(
             (carry["tokens"], carry["logprobs"], carry["length"], carry["stopped"]))
+        costs.add("sample_decode_s", time.perf_counter() - decode_start)
+        costs.tokens("sample_new", int(length[:len(owner)].sum()), N * int(jax.device_get(carry["step"])))
         out: list[list[Sample]] = [[None] * r.params.n for r in requests]  # type: ignore[misc]
         for row, (j, i) in enumerate(owner):
             ids = tokens[row, :length[row]].tolist()

@@ -4,11 +4,15 @@ held-out metrics; and how this host's batch rows become global arrays on the mes
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Collection
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from sweet_jax import costs
 from sweet_jax.config_utils import TrainConfigError
 from sweet_jax.data.datasets import Dataset
 
@@ -49,16 +53,67 @@ def one_pass(dataset: Dataset, make_batches, **kwargs):
     return it, range(it.steps_per_epoch)
 
 
-def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str) -> list:
+def distinct_sequences(dataset: Dataset, only: Collection[int] | None = None
+                       ) -> tuple[Dataset, list[tuple[tuple[int, int], ...] | None]]:
+    """The split's distinct sequences as a Dataset of the same shape (P sequences an example, longest first, the
+    last example filled with a repeat), and where each example's sequences are in it ((example, position) per
+    sequence). Pairs repeat sequences: a critic task's best trajectory is the chosen side of a pair with each worse
+    one, and a turn prompt's 4 DPO pairs are drawn with replacement from its 16 candidates (40% of a SmolLM2
+    seed's DPO sequences are repeats); each is then run once. Sequences of one example have similar lengths.
+    only: the examples to cover (indices into dataset.examples); the others' place is None."""
+    P = dataset.num_sequences
+    first: dict[tuple[bytes, bytes], int] = {}
+    order: list = []
+    for i, example in enumerate(dataset.examples):
+        if only is not None and i not in only:
+            continue
+        for seq in example:
+            key = (np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())
+            if key not in first:
+                first[key] = len(order)
+                order.append(seq)
+    rank = sorted(range(len(order)), key=lambda j: -len(order[j]))   # stable: ties keep their first-seen order
+    slot = {j: divmod(r, P) for r, j in enumerate(rank)}
+    seqs = [order[j] for j in rank]
+    seqs += [seqs[-1]] * (-len(seqs) % P)
+    examples = [tuple(seqs[i:i + P]) for i in range(0, len(seqs), P)]
+    distinct = dataclasses.replace(dataset, examples=examples, ids=list(range(len(examples))),
+                                   num_global=len(examples), extras={}, lengths=None)
+    if examples:
+        distinct.gather_lengths()
+    where = [None if only is not None and i not in only else
+             tuple(slot[first[(np.asarray(seq.input_ids).tobytes(), np.asarray(seq.turn_ids).tobytes())]]
+                   for seq in example) for i, example in enumerate(dataset.examples)]
+    return distinct, where
+
+
+def trained_examples(batches, num_steps: int) -> set[int]:
+    """Indices into a BatchIterator's examples (this host's) that its first num_steps batches hold."""
+    per_epoch = batches.steps_per_epoch
+    return {int(i) for step in range(num_steps) for i in batches.local_indices(*divmod(step, per_epoch)) if i >= 0}
+
+
+def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str, *,
+                   deduplicate: bool = True, only: Collection[int] | None = None) -> list:
     """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
-    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist."""
+    (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist.
+    deduplicate (one process): each distinct sequence is run once (distinct_sequences); the same values up to
+    float rounding (a sequence's batch neighbours and padded length differ). only (one process): the examples
+    that need them (a run that stops before an epoch ends trains on a part of its split); None for the others."""
+    if (deduplicate or only is not None) and jax.process_count() == 1 and len(dataset):
+        distinct, where = distinct_sequences(dataset, only)
+        refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side,
+                              deduplicate=False) if distinct.examples else []
+        return [None if at is None else tuple(refs[e][p] for e, p in at) for at in where]
     it, batch_steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
     refs: list = [None] * len(dataset)
     lo = it.process_index * it.local_batch_size
     for step in tqdm(batch_steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
         batch = it.batch_at(0, step)
-        logp_BPT = to_host(ref_logp_fn(params, to_global(
-            {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+        with costs.timed("ref_logp_pass"):
+            logp_BPT = to_host(ref_logp_fn(params, to_global(
+                {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+        costs.tokens("ref_logp", batch["attention_mask"].sum(), batch["attention_mask"].size)
         T = batch["input_ids"].shape[-1]
         for row, i in enumerate(it.local_indices(0, step)):
             if i >= 0:
@@ -74,7 +129,8 @@ def evaluate(eval_fn, params, dataset: Dataset, make_batches, sharding, ref_para
     it, batch_steps = one_pass(dataset, make_batches)
     for step in batch_steps:
         args = (params, to_global(it.batch_at(0, step), sharding)) + ((ref_params,) if ref_params is not None else ())
-        metrics = jax.device_get(eval_fn(*args))
+        with costs.timed("train_eval"):
+            metrics = jax.device_get(eval_fn(*args))
         rows = it.real_rows(0, step)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v) * rows

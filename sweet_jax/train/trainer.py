@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from sweet_jax import cli, host_malloc, sharding
+from sweet_jax import cli, costs, host_malloc, sharding
 from sweet_jax.config_utils import TrainConfigError, check_config
 from sweet_jax.data.datasets import build_datasets
 from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
@@ -219,7 +219,7 @@ class Trainer:
         ref_in_step = config.train.ref_logp == "in_step"
         self.train_step = steps.make_step(self.spec, self.state, optimizer, mesh, lr_schedule=lr_schedule,
                                           micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step,
-                                          length_multiple=config.data.bucket,
+                                          length_multiple=config.data.get("micro_bucket", 0) or config.data.bucket,
                                           score_positions=config.loss.score_positions)
         self.eval_step = steps.make_eval_step(self.spec, self.state, mesh, ref_in_step=ref_in_step)
 
@@ -234,10 +234,14 @@ class Trainer:
             return train_set, eval_set
         ref_fn = steps.make_ref_logp_fn(self.state.graphdef, steps.shardings_of(self.state.params), self.mesh,
                                         rest=self.state.rest)
+        # The training split's examples that this run's steps reach (train.stop_at, or fewer steps than an epoch)
+        end = self.config.train.get("stop_at", 0) or self.total_steps
+        trained = passes.trained_examples(self.make_batches(train_set), end) if jax.process_count() == 1 else None
         return tuple(
             dataset.with_extras(ref_logp=passes.reference_pass(ref_fn, self.state.params, dataset, self.make_batches,
-                                                               self.batch_sh, self.config.data.padding_side))
-            if dataset.num_examples else dataset for dataset in (train_set, eval_set))
+                                                               self.batch_sh, self.config.data.padding_side,
+                                                               only=only))
+            if dataset.num_examples else dataset for dataset, only in ((train_set, trained), (eval_set, None)))
 
     # ------------------------------------------------------------------------------------------------------
     def resume(self) -> None:
@@ -371,6 +375,11 @@ class Trainer:
         self.state, m = self.train_step(*args)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         seconds = time.perf_counter() - t0
+        costs.add("train_step_s", seconds)
+        costs.add("train_step_calls")
+        # padded: what the step ran (a host loop's micro-batches each at their own length), real: the mask's ones
+        shapes = getattr(self.train_step, "last_micro_shapes", None) or [host_batch["input_ids"].shape]
+        costs.tokens("train", host_batch["attention_mask"].sum(), sum(int(np.prod(s)) for s in shapes))
         self.step += 1
         if not math.isfinite(m["loss"]):
             raise NanLossError(nan_message(self.ckpt, self.step, m, self.workdir))
