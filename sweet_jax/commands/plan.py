@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import sys
 
-import jax
 from absl import flags
 from ml_collections import config_flags
 
+from sweet_jax import cli
 from sweet_jax.commands import launch
-from sweet_jax.train.plan import (GiB, Topology, extrapolated_plan, fit, fit_commands, make_plan, parse_topology,
-                                  report)
 
 
 def main(argv):
     del argv
-    FLAGS = flags.FLAGS
-    # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
-    # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
-    jax.config.update("jax_enable_compilation_cache", False)
+    # Compiling runs in a worker thread: XLA holds the main thread for minutes, and Ctrl-C must stop it at once.
+    return cli.interruptible(lambda: compile_plan(flags.FLAGS))
+
+
+def compile_plan(FLAGS) -> int:
+    from sweet_jax.train.plan import extrapolated_plan, make_plan, parse_topology, report  # after the flags (--help)
     topology = parse_topology(FLAGS.topology)
     if FLAGS.fit:
         return main_fit(FLAGS, topology)
@@ -47,8 +47,9 @@ def main(argv):
     return 0 if plan.fits else 1
 
 
-def main_fit(FLAGS, topology: Topology) -> int:
+def main_fit(FLAGS, topology) -> int:
     """--fit: the cheapest layout that fits, its report and the exact commands; exit 1 when none does."""
+    from sweet_jax.train.plan import GiB, fit, fit_commands, report  # after the flags (as in compile_plan)
     argv = sys.argv[1:]
     budget = int(FLAGS.hbm_gib * GiB) if FLAGS.hbm_gib else None
     layout, result, tried = fit(FLAGS.config, topology, estimate=FLAGS.estimate, max_tries=FLAGS.fit_max_tries,
