@@ -45,7 +45,7 @@ def main(argv):
     del argv
     FLAGS = flags.FLAGS
     config_utils.check_inputs(FLAGS.config, config_utils.PIPELINE_PATH_FIELDS)
-    from sweet_jax.pipeline.stages import run_pipeline  # after the flags: --help and a flag's mistake answer in a second
+    from sweet_jax.pipeline.stages import run_pipeline  # after the flags: --help in a second
     logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
     summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)

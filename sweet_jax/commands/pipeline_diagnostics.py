@@ -33,7 +33,8 @@ def main(argv=None) -> None:
     if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):
         raise SweetJaxError(f"{workdir} holds no pipeline stage (offline/, rank/): pass the --workdir of a "
                             "`python -m sweet_jax.pipeline` run")
-    from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, rankings, run_diagnostics  # after the flags: --help and a flag's mistake answer in a second
+    # After the flags: --help in a second.
+    from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, rankings, run_diagnostics  # (above)
     report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
     stages = rankings(workdir)
     for name, ranking in report["rankings"].items():   # the rankings run_diagnostics found

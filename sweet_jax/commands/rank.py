@@ -21,7 +21,7 @@ def main(argv):
     del argv
     config = flags.FLAGS.config
     config_utils.check_inputs(config, config_utils.RANK_PATH_FIELDS)
-    from sweet_jax.rl.ranking import run  # after the flags: --help and a flag's mistake answer in a second
+    from sweet_jax.rl.ranking import run  # after the flags: --help in a second
     result = run(config, accept_config_change=flags.FLAGS.accept_config_change)
     print(f"{config.output}: {json.dumps(result)}", flush=True)
 

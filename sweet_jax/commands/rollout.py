@@ -25,7 +25,7 @@ def main(argv):
     del argv
     config = flags.FLAGS.config
     config_utils.check_inputs(config, config_utils.ROLLOUT_PATH_FIELDS)
-    from sweet_jax.rl.episodes import format_summary, run  # after the flags: --help and a flag's mistake answer in a second
+    from sweet_jax.rl.episodes import format_summary, run  # after the flags: --help in a second
     summary = dict(run(config, accept_config_change=flags.FLAGS.accept_config_change),
                    track=config.get("track", "backend"))
     print(format_summary(summary, config.output), flush=True)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.require_path("--model", args.model, directory=True)
     if args.tokenizer:
         cli.require_path("--tokenizer", args.tokenizer, directory=True)
-    from sweet_jax.sampling.server import OpenAIApp, OpenAIServer, load_model_sampler  # after the flags: --help and a flag's mistake answer in a second
+    from sweet_jax.sampling.server import OpenAIApp, OpenAIServer, load_model_sampler  # after the flags (--help)
     sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
                                  max_batch_size=args.max_batch_size)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

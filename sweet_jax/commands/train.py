@@ -19,7 +19,7 @@ from sweet_jax.commands import launch
 def main(argv):
     del argv
     config_utils.check_inputs(flags.FLAGS.config, config_utils.TRAIN_PATH_FIELDS)
-    from sweet_jax.train import trainer  # after the flags: --help and a flag's mistake answer in a second
+    from sweet_jax.train import trainer  # after the flags: --help in a second
     trainer.run(flags.FLAGS.config, flags.FLAGS.workdir, accept_config_change=flags.FLAGS.accept_config_change)
 
 
