@@ -1,7 +1,7 @@
 """Critic training configs: `--config configs/critic.py:PRESET`.
 
 Presets:
-  demo        tiny random model, bundled ColBench demo data and tokenizer; CPU, a few minutes; the
+  demo        tiny random model, bundled ColBench demo data and tokenizer; CPU, 40-90 s on 2 cores; the
               critic's pair accuracy rises.
   llama3_8b   the paper's critic: Llama-3.1-8B, lr 2e-7, beta 0.1, batch 8, 4 epochs, seq 8192, bf16,
               remat, FSDP. Set --config.model.path to the HF directory of Llama-3.1-8B-Instruct and

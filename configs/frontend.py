@@ -22,6 +22,8 @@ fields of configs/pipeline.py plus `track` and `frontend`:
 import importlib.util
 import pathlib
 
+from sweet_jax import config_utils
+
 ROLLOUT_PRESETS = ("rollout_demo", "collect_8b", "eval_8b")
 PIPELINE_PRESETS = ("frontend_demo", "frontend_test", "frontend_8b")
 
@@ -36,8 +38,7 @@ def _sibling(name: str):
 
 
 def _frontend_block():
-    from sweet_jax.envs.frontend import frontend_config
-    return frontend_config()
+    return config_utils.frontend_config()
 
 
 def _vision_simulator(c):

@@ -26,7 +26,6 @@ fields as configs/critic.py and configs/policy.py) with the values below.
 import ml_collections
 
 from sweet_jax import config_utils
-from sweet_jax.sampling import policy_backend
 
 PRESETS = ("demo", "test", "colbench_8b", "smollm2", "smollm2_select", "smollm2_discovery", "smollm2_lookup",
            "smollm2_test")
@@ -199,7 +198,7 @@ def get_config(preset: str = "demo"):
     # Where the policy samples (offline, candidates and eval stages): in_process, or openai = an inference engine
     # (vLLM, SGLang, python -m sweet_jax.serve) started per policy from policy.openai.command after the policy is
     # exported, or running at policy.openai.base_urls (then serving the starting policy); sweet_jax/sampling/policy_backend.py.
-    c.policy = policy_backend.policy_config()
+    c.policy = config_utils.policy_config()
 
     c.simulator = ml_collections.ConfigDict()
     c.simulator.kind = "synthetic"    # synthetic (data/synthetic.simulator_reply) | hidden_info | openai

@@ -19,7 +19,6 @@ Presets:
 import ml_collections
 
 from sweet_jax import config_utils
-from sweet_jax.sampling import policy_backend
 
 # The critic must read c exactly as it was trained: keep these equal to the critic run's data settings.
 OFFICIAL_INFO_TEMPLATE = config_utils.base_config().data.info_template
@@ -31,7 +30,7 @@ def get_config(preset: str = "demo"):
     c.num_trajectories = 0        # first N; 0 = all
     c.skip_bad = False            # drop malformed trajectory lines (reported) instead of failing
 
-    c.policy = policy_backend.policy_config()  # backend (in_process | openai: an engine) and openai
+    c.policy = config_utils.policy_config()  # backend (in_process | openai: an engine) and openai
     c.policy.path = ""            # HF directory of the policy that samples candidates; '' = demo tiny random
     c.policy.tokenizer = ""       # '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"

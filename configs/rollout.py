@@ -20,12 +20,13 @@ Presets:
 """
 import ml_collections
 
-from sweet_jax.sampling import policy_backend
+from sweet_jax import config_utils
+
 
 
 def get_config(preset: str = "demo"):
     c = ml_collections.ConfigDict()
-    c.policy = policy_backend.policy_config()  # backend (in_process | openai: an engine) and openai
+    c.policy = config_utils.policy_config()  # backend (in_process | openai: an engine) and openai
     c.policy.path = ""            # HF checkpoint directory of the policy; '' = the demo tiny random model
     c.policy.tokenizer = ""       # tokenizer directory; '' = policy.path, or the demo tokenizer
     c.policy.dtype = "float32"    # parameter dtype when loading (bfloat16 for 8B on TPU)

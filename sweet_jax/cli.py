@@ -28,6 +28,7 @@ import pathlib
 import runpy
 import sys
 import textwrap
+import threading
 import tokenize
 import traceback
 from typing import Any, Callable, Sequence
@@ -198,12 +199,47 @@ def _debug_traceback() -> None:
         traceback.print_exc()
 
 
+_console_name: str | None = None  # `sweet-jax NAME`, set by main (runpy replaces sys.argv[0] with the module's file)
+
+
+def console_name() -> str | None:
+    """`sweet-jax NAME` when the command was started by the console script (cli.main), else None."""
+    return _console_name
+
+
+def as_invoked(text: str) -> str:
+    """`python -m sweet_jax.NAME` in a usage text written as the user typed the command (`sweet-jax NAME`)."""
+    name = console_name()
+    return text.replace(f"python -m sweet_jax.{name.split()[1]}", name) if name else text
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (`error: ... (see --help)`) with exit status 2, and whose options
-    take both spellings, as every command's: `--served_model_name` (the one documented) and `--served-model-name`."""
+    take both spellings, as every command's: `--served_model_name` (the one documented) and `--served-model-name`.
+    An unknown flag is named as such (with the closest known one) before any missing required flag: `--modle X`
+    is a typo of --model, not a missing --model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if console_name():
+            self.prog = console_name()
+        if self.description:
+            self.description = as_invoked(self.description)
 
     def error(self, message: str):
         exit_with_error(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        known = [s for action in self._actions for s in action.option_strings]
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if name.startswith("--") and name not in known and not any(k.startswith(name) for k in known):
+                near = difflib.get_close_matches(name, [k for k in known if k.startswith("--")], n=1)
+                self.error(f"unrecognized argument {name}{f' (did you mean {near[0]}?)' if near else ''}")
+        return super().parse_args(args, namespace)
 
     def add_argument(self, *names, **kwargs):
         spellings = []
@@ -216,6 +252,44 @@ class ArgumentParser(argparse.ArgumentParser):
             else:
                 spellings.append(name)
         return super().add_argument(*spellings, **kwargs)
+
+
+def require_path(flag: str, path: str | None, *, directory: bool = False) -> None:
+    """A SweetJaxError unless `path` (the value of `flag`) exists (as a directory when `directory`): what a command
+    checks before it imports the library, so that a mistyped path answers in a second. Remote paths (gs://...)
+    are left to the library."""
+    if not path or "://" in path or os.path.exists(os.path.expanduser(path)) and (
+            not directory or os.path.isdir(os.path.expanduser(path))):
+        return
+    where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+    what = "is not a directory" if os.path.exists(os.path.expanduser(path)) else "does not exist"
+    raise SweetJaxError(f"{flag} {path}: {what}{where}")
+
+
+def interruptible(body: Callable[[], Any]) -> Any:
+    """body() in a worker thread, its result or exception returned here, so that Ctrl-C acts at once even while
+    the body is inside a long C++ call that holds the main thread (XLA compiling for minutes): the command line
+    then says so and exits 130 without waiting for the call (what it computed is lost; it wrote nothing)."""
+    outcome: dict[str, Any] = {}
+
+    def work():
+        try:
+            outcome["value"] = body()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=work, name="sweet_jax-interruptible", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)  # the worker may be inside XLA: no interpreter shutdown that would wait for it
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def flag_spellings(argv: Sequence[str]) -> list[str]:
@@ -403,6 +477,10 @@ def config_flag_error(argv: Sequence[str], error: Exception, *, default_config: 
             node = node[part]
             walked.append(part)
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    missing = [name for name in flags.FLAGS if f"Flag --{name} must have a value other than None" in str(error)]
+    if missing:
+        flag = flags.FLAGS[missing[0]]
+        return f"--{flag.name} is required: {flag.help} (see --help)"
     return f"bad flags: {lines[-1] if lines else type(error).__name__} (see --help)"
 
 
@@ -454,7 +532,7 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
         if config_arg is None and "config" in own and flags.FLAGS["config"].default_as_str:
             default = flags.FLAGS["config"].default_as_str.strip("'\"")
             help_configs = help_configs or (default,)
-        print(_module_doc(module_name).strip() + "\n\nflags:\n" + _flag_lines(own) + "\n\n"
+        print(as_invoked(_module_doc(module_name).strip()) + "\n\nflags:\n" + _flag_lines(own) + "\n\n"
               + config_help(config_arg, help_configs))
         sys.exit(0)
 
@@ -504,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         near = difflib.get_close_matches(command, COMMANDS, n=1)
         exit_with_error(f"unknown command {argv[0]!r}{f' (did you mean {near[0]}?)' if near else ''}; "
                         f"commands: {', '.join(COMMANDS)}")
-    sys.argv = [f"sweet-jax {command}"] + argv[1:]
+    global _console_name
+    _console_name = f"sweet-jax {command}"
+    sys.argv = [_console_name] + argv[1:]
     runpy.run_module(f"sweet_jax.{command}", run_name="__main__", alter_sys=True)
 
 

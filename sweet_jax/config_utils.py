@@ -5,15 +5,13 @@ only changes values. Field names are read by sweet_jax.train, sweet_jax.train.st
 """
 from __future__ import annotations
 
+import os
 import pathlib
 
 import ml_collections
 
-from sweet_jax import sharding
 from sweet_jax.data.render import OFFICIAL_INFO_TEMPLATE
 from sweet_jax.errors import SweetJaxError, TrainConfigError  # noqa: F401 - TrainConfigError: config_utils' error
-from sweet_jax.models.llama import PRESETS
-from sweet_jax.models.lora import LoRAConfig
 
 LOSS_KINDS = ("critic", "dpo", "mtdpo", "rft")
 ADVANTAGE_NORMS = ("turn_mean", "trajectory_mean", "sum")  # loss.advantage_norm (train.losses.turn_advantages)
@@ -188,7 +186,47 @@ TRAIN_RANGES = {
     "loss.label_smoothing": (float, between(0, 0.5), "probability a preference is flipped (>= 0.5 inverts it)"),
 }
 
-# The `policy.openai` block (policy_backend.openai_config) and the simulator's engine settings.
+
+def policy_config() -> ml_collections.ConfigDict:
+    """Where the policy samples, the `policy` block of the rollout, rank and pipeline configs
+    (sampling.policy_backend.policy_sampler reads it and check_backend checks it): backend and its `openai`
+    settings, declared and defaulted here only."""
+    c = ml_collections.ConfigDict()
+    c.backend = "in_process"      # in_process | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
+    c.openai = openai_config()
+    return c
+
+
+def openai_config():
+    """The `policy.openai` block of the rollout, rank and pipeline configs (defaults)."""
+    c = ml_collections.ConfigDict()
+    c.base_urls = ""              # comma-separated running engines, e.g. http://h1:8000/v1,http://h2:8000/v1
+    c.command = ""                # or: start one per policy, e.g. "vllm serve {hf_dir} --port {port} ..."
+    c.host = "127.0.0.1"          # where the started engine listens ({host})
+    c.port = 0                    # its port ({port}); 0 = a free one
+    c.startup_timeout_s = 900.0   # how long the started engine may take to answer GET /v1/models
+    c.model = ""                  # served model name; '' = the first of GET /v1/models
+    c.api_key = "EMPTY"
+    c.concurrency = 64            # requests in flight (one prompt, n samples each)
+    c.max_retries = 5
+    c.backoff_s = 1.0             # first retry's wait; doubled each retry (at most 30 s)
+    c.timeout_s = 600.0           # per request
+    return c
+
+
+def frontend_config():
+    """The `frontend` block of rollout and pipeline configs (configs/frontend.py; envs.frontend.FrontendTrack
+    reads it)."""
+    f = ml_collections.ConfigDict()
+    f.clip_path = ""               # HF CLIP checkpoint directory (openai/clip-vit-base-patch32); '' = a random
+    #                                tiny CLIP: the mechanics only, its cosines mean nothing
+    f.clip_batch_size = 8
+    f.renderers = 2                # headless browsers rendering in parallel
+    f.page_time_limit_s = 15.0     # per page: load, layout and screenshot
+    return f
+
+
+# The `policy.openai` block (openai_config) and the simulator's engine settings.
 ENGINE_RANGES = {
     "port": (int, closed(0, 65535), "0 = a free port"),
     "startup_timeout_s": (float, above(0), "seconds the started engine may take"),
@@ -379,6 +417,7 @@ def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None
     need(config.loss.kind in LOSS_KINDS, "loss.kind", f"use one of {LOSS_KINDS}")
     need(config.loss.advantage_norm in ADVANTAGE_NORMS, "loss.advantage_norm",
          "use turn_mean (paper), trajectory_mean (official code) or sum")
+    from sweet_jax.models.llama import PRESETS  # here: the configs load without jax (a command's --help in a second)
     need(config.model.preset in PRESETS, "model.preset", f"use one of {', '.join(PRESETS)}")
     need(config.train.ref_logp in ("precompute", "in_step"), "train.ref_logp", "use precompute or in_step")
     need(config.data.length_policy in ("truncate", "drop", "cut_right"), "data.length_policy",
@@ -404,6 +443,7 @@ def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None
     shape = tuple(config.mesh.shape)
     need(len(shape) == 3 and sum(1 for s in shape if s == -1) <= 1 and all(s == -1 or s > 0 for s in shape),
          "mesh.shape", "expected 3 sizes (data, fsdp, tensor), each > 0 or one -1 for the rest of the devices")
+    from sweet_jax.models.lora import LoRAConfig  # here: the configs load without jax (--help in a second)
     try:
         LoRAConfig.from_config(config.get("lora"))
     except SweetJaxError as e:
@@ -413,6 +453,59 @@ def check_config(config: ml_collections.ConfigDict, *, names: dict | None = None
         need(p.is_dir() and (p / "config.json").exists(), "model.path",
              "is not a Hugging Face checkpoint directory (no config.json there); set --config.model.path to "
              "one, or to '' for the demo tiny model")
+
+
+# The path fields of a training config: read again by later commands (export, serve, rank) from the run's
+# config.json, maybe from another directory, so they are recorded absolute (absolute_paths).
+TRAIN_PATH_FIELDS = ("model.path", "data.trajectories", "data.tasks", "data.pairs", "data.tokenizer")
+RANK_PATH_FIELDS = ("trajectories", "policy.path", "policy.tokenizer", "critic.path", "reference.path", "output")
+ROLLOUT_PATH_FIELDS = ("tasks", "policy.path", "policy.tokenizer", "agent_prompt_path", "simulator.path",
+                       "simulator.tokenizer", "simulator.prompt_path", "frontend.clip_path", "output")
+PIPELINE_PATH_FIELDS = ("tasks.train_path", "tasks.heldout_path", "model.tokenizer", "init.path", "init.pretrained",
+                        "init.from_run", "collect.trajectories", "select.frozen", "frontend.clip_path")
+
+
+def absolute_path(value: str) -> str:
+    """A path as the user typed it, made absolute against the directory the command runs in (`~` expanded);
+    '' (the field's "not set") and remote paths (gs://...) are returned unchanged. Symbolic links are kept: the
+    path names what the user named."""
+    if not value or "://" in value:
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def absolute_paths(config: ml_collections.ConfigDict, fields) -> ml_collections.ConfigDict:
+    """A copy of `config` whose path `fields` (dotted names; those it lacks are skipped) are absolute: where the
+    paths a user gives enter the library, so that they mean the same in every later stage and command, whatever
+    its working directory (and Orbax, which refuses relative paths, never sees one)."""
+    config = ml_collections.ConfigDict(config.to_dict()) if isinstance(config, ml_collections.FrozenConfigDict) \
+        else config.copy_and_resolve_references()
+    for field in fields:
+        section, _, name = field.rpartition(".")
+        try:
+            node = config_get(config, section) if section else config
+        except (KeyError, AttributeError):
+            continue
+        if name in node and isinstance(node[name], str):
+            node[name] = absolute_path(node[name])
+    return config
+
+
+def check_inputs(config: ml_collections.ConfigDict, fields) -> None:
+    """A SweetJaxError naming the first of the path `fields` (those it holds, `output` aside: it is written) that
+    does not exist: what a command checks before it imports the library, so that a mistyped path answers in a
+    second."""
+    for field in fields:
+        section, _, name = field.rpartition(".")
+        try:
+            value = (config_get(config, section) if section else config)[name]
+        except (KeyError, AttributeError):
+            continue
+        if name == "output" or not isinstance(value, str) or not value or "://" in value:
+            continue
+        if not os.path.exists(os.path.expanduser(value)):
+            where = "" if os.path.isabs(value) else f" (relative to {os.getcwd()})"
+            raise SweetJaxError(f"config.{field}={value!r}: no such file or directory{where}")
 
 
 def config_get(config, dotted: str):
@@ -430,6 +523,7 @@ def config_set(config, dotted: str, value) -> None:
 def model_overrides(config: ml_collections.ConfigDict, *, attention_impl: str | None = None) -> dict:
     """The LlamaConfig fields a training config sets (compute/storage dtypes, remat, attention, layer layout),
     shared by sweet_jax.train and sweet_jax.plan so that the planned step is the trained one."""
+    from sweet_jax import sharding  # here: the configs load without jax (a command's --help in a second)
     m = config.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
                 attention_impl=attention_impl or m.attention_impl, attention_chunk_size=int(m.attention_chunk_size),

@@ -110,3 +110,40 @@ def test_a_rerun_after_every_checkpoint_was_moved_aside_does_not_restart_from_st
         Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
     with pytest.raises(CheckpointError, match="unreadable one.* were moved to .*corrupt_checkpoints.*step 0"):
         Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
+
+
+def test_a_relative_directory_is_taken_from_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = Checkpointer("runs/a run/ckpt")  # Orbax itself refuses a relative path
+    ckpt.save(1, make_items(), {"tag": 1}, wait=True)
+    monkeypatch.chdir(tmp_path / "runs")
+    step, _, meta = Checkpointer("a run/ckpt").restore(jax.tree.map(abstract_like, make_items()))
+    assert (step, meta["tag"]) == (1, 1)
+
+
+def test_a_restore_error_that_is_not_about_the_bytes_moves_nothing(tmp_path, monkeypatch):
+    """The quarantine decides on what it reads back: good files and an error about something else (memory here)
+    leave the checkpoint where it is, and the error says so."""
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, make_items(step), {}, wait=True)
+
+    def out_of_memory(self, step, abstract_items):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1073741824 bytes")
+
+    monkeypatch.setattr(Checkpointer, "_restore_step", out_of_memory)
+    with pytest.raises(CheckpointError, match=r"could not restore checkpoint step 2 .*RESOURCE_EXHAUSTED.*left in "
+                                              "place: the error is not about its bytes"):
+        Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
+    assert Checkpointer(tmp_path / "ckpt").all_steps() == [1, 2]
+    assert not (tmp_path / "corrupt_checkpoints").exists()
+
+
+def test_a_metadata_file_that_is_not_json_is_damage(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, make_items(step), {"tag": step}, wait=True)
+    (tmp_path / "ckpt" / "2" / "params" / "_METADATA").write_text('{"tree_metadata": ')  # cut by a full disk
+    step, _, meta = Checkpointer(tmp_path / "ckpt").restore(jax.tree.map(abstract_like, make_items()))
+    assert (step, meta["tag"]) == (1, 1)
+    assert [p.name.split("-")[0] for p in (tmp_path / "corrupt_checkpoints").iterdir()] == ["2"]

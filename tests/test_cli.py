@@ -282,3 +282,59 @@ def test_absl_and_argparse_commands_accept_the_other_spelling(tmp_path, args, ne
     """Past the flag parser either way: the error is about the missing directory, not an unknown flag."""
     line = assert_one_line_error(command(*args, cwd=tmp_path), needle)
     assert "unknown" not in line.lower() and "unrecognized" not in line.lower(), line
+
+
+HEAVY = ("jax", "flax", "transformers", "torch", "tensorflow", "orbax")
+QUICK_ANSWERS = {  # per command: --help, a misspelt flag, a missing file (where it takes one)
+    "train": [["--help"], ["--config", "configs/critic.py:demo", "--workdri", "x"],
+              ["--config", "configs/critic.py:demo", "--workdir", "x", "--config.data.trajectories=nope.jsonl"]],
+    "rank": [["--help"], ["--config.num_candidatez=2"], ["--config.critic.path=nope"]],
+    "rollout": [["--help"], ["--outptu=x"], ["--config.tasks=nope.jsonl"]],
+    "pipeline": [["--help"], ["--workdir", "x", "--config.seeed=1"],
+                 ["--workdir", "x", "--config.init.from_run=nope"]],
+    "export": [["--help"], ["--workdri", "x"], ["--workdir", "nope", "--out", "hf"]],
+    "serve": [["--help"], ["--modle", "x"], ["--model", "nope"]],
+    "evaluate": [["--help"], ["x.jsonl", "--out", "o", "--detials"], ["nope.jsonl", "--out", "o"]],
+    "plan": [["--help"], ["--topolgy", "v5e-16"]],
+    "pipeline_report": [["--help"], ["x", "--ot", "y"]],
+    "pipeline_diagnostics": [["--help"], ["x", "--prbes"], ["nope"]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUICK_ANSWERS))
+def test_help_a_misspelt_flag_and_a_missing_file_are_answered_before_jax_is_imported(tmp_path, name):
+    """What makes them answer in about a second (bench/bench_help.py measures it): the flags are parsed and the
+    paths checked before the library, and with it jax, Flax or transformers, is imported."""
+    for args in QUICK_ANSWERS[name]:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"sweet_jax.{name}", *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "import time:" in line}
+        assert not imported & set(HEAVY), (name, args, sorted(imported & set(HEAVY)))
+        proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if "import time:" not in line)
+        if args == ["--help"]:
+            assert proc.returncode == 0 and ("flags:" in proc.stdout or "usage:" in proc.stdout), proc.stdout[-2000:]
+        else:
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+            assert proc.returncode == 2 and len(errors) == 1, (name, args, proc.stderr[-2000:])
+            assert ("nope" in errors[0]) if "nope" in " ".join(args) else ("unrecognized" in errors[0] or
+                                                                          "nknown" in errors[0]), errors[0]
+
+
+def test_a_missing_required_flag_names_it_with_what_it_is(tmp_path):
+    assert_one_line_error(command("sweet_jax.train", "--config", "configs/critic.py:demo", cwd=tmp_path),
+                          "--workdir is required: run directory")
+
+
+def test_an_unknown_flag_is_named_before_a_missing_required_one(tmp_path):
+    assert_one_line_error(command("sweet_jax.serve", "--modle", "m", cwd=tmp_path),
+                          "unrecognized argument --modle (did you mean --model?)")
+
+
+def test_the_console_script_s_usage_says_sweet_jax_name(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    for name, needle in (("serve", "usage: sweet-jax serve"), ("train", "sweet-jax train --config")):
+        proc = subprocess.run([sys.executable, "-c", "from sweet_jax.cli import main; main()", name, "--help"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and needle in proc.stdout and f"python -m sweet_jax.{name}" not in proc.stdout, \
+            proc.stdout[:2000]

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from sweet_jax.data import (BatchError, BatchIterator, Rendered, bucket_lengths, collate, example_lengths,
-                            host_range)
+from sweet_jax.data import Rendered
+from sweet_jax.data.batching import BatchError, BatchIterator, bucket_lengths, collate, example_lengths, host_range
 
 
 def make_examples(n=37, P=2, seed=0, max_len=300):

@@ -166,7 +166,8 @@ def test_policy_pairs_ties_and_small_groups():
 
 
 def test_demo_trajectories_become_critic_batches():
-    from sweet_jax.data import BatchIterator, pad_id
+    from sweet_jax.data import pad_id
+    from sweet_jax.data.batching import BatchIterator
 
     tok = load_tokenizer(demo_paths().tokenizer)
     trajs = load_trajectories(demo_paths().trajectories)[:80]

@@ -477,3 +477,20 @@ def test_every_field_in_the_configuration_page_exists_and_every_field_is_there()
                 continue
             missing.append(f"{config}: {leaf}")
     assert not missing, "fields missing from docs/configuration.md:\n" + "\n".join(missing)
+
+
+def test_the_readme_s_results_command_runs_as_written_from_another_directory_and_gives_its_table(tmp_path):
+    """The README's headline table is `python -m sweet_jax.pipeline_report bench/results/... --out runs/...`, paths
+    relative to where it runs: run as written from a directory holding bench/results (here a link to the
+    checkout's), it writes runs/select_mean there and prints the README's numbers."""
+    readme = (REPO / "README.md").read_text()
+    line = re.search(r"`(python -m sweet_jax\.pipeline_report bench/results/select_seed0 [^`]*)`", readme).group(1)
+    (tmp_path / "bench").symlink_to(REPO / "bench")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(shlex.split(line.replace("python", sys.executable, 1)), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "select_mean" / "results.md").is_file()
+    numbers = lambda text: re.findall(r"\d+\.\d ± \d+\.\d", text)  # noqa: E731
+    table = readme.split("| SmolLM2-135M-Instruct, SFT start |", 1)[1].split("\n\n", 1)[0]
+    assert numbers(table) and numbers(proc.stdout)[:len(numbers(table))] == numbers(table)

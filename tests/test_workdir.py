@@ -26,6 +26,16 @@ def test_a_second_trainer_on_a_workdir_in_use_is_refused_naming_the_first(tmp_pa
         pass
 
 
+def test_the_lock_file_is_gone_once_the_trainer_ends_and_a_stale_one_is_taken_over(tmp_path):
+    with rundir.workdir_lock(tmp_path / "run"):
+        assert f"pid {os.getpid()} on" in (tmp_path / "run" / ".lock").read_text()
+    assert not (tmp_path / "run" / ".lock").exists()
+    (tmp_path / "run" / ".lock").write_text("pid 999999 on gone, started 2026-01-01\n")  # a SIGKILLed trainer's
+    with rundir.workdir_lock(tmp_path / "run"):
+        assert f"pid {os.getpid()} on" in (tmp_path / "run" / ".lock").read_text()
+    assert not (tmp_path / "run" / ".lock").exists()
+
+
 @pytest.mark.parametrize("model_file", ["model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                                         "model-q4.gguf"])
 def test_a_model_directory_is_refused_as_a_workdir_and_left_untouched(tmp_path, model_file):

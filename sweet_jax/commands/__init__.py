@@ -16,7 +16,10 @@ and holds its `main`, its flags and nothing else; the work is done by the librar
 
 Every command module defines `main(argv)`, `define_flags` (absl flags with a config, or None when main parses
 argv with cli.ArgumentParser) and `HELP_CONFIGS` (the configs whose presets --help lists), and ends in
-`launch(NAME)`. launch prepares the process before the command module (and with it jax) is imported.
+`launch(NAME)`. launch prepares the process before the command module is imported. A command module imports
+only the flags' layer at its top (absl, ml_collections, cli, config_utils); its main checks what it was given and
+then imports the library (and with it jax, Flax, transformers): --help, a misspelt flag and a missing file answer
+in about a second (bench/bench_help.py).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ def plan_environment(argv) -> None:
     """plan compiles only: jax's own backend stays on the host CPU even where a TPU is attached, unless the plan
     is for this host's own devices (--topology local)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
+    # compilation cache (no TPU client to deserialise it): every other command line turns the cache on.
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     if not any(a.lower() in ("--topology=local", "local") for a in argv):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -45,8 +51,8 @@ def launch(name: str) -> None:
         plan_environment(sys.argv[1:])
     cli.quiet_environment()
     cli.compile_cache_environment()
-    if name in COMPUTE:
-        host_malloc.reexec_with_allocator()  # before jax starts
+    if name in COMPUTE and not any(a in ("-h", "--help", "-help", "--helpshort") for a in sys.argv[1:]):
+        host_malloc.reexec_with_allocator()  # before jax starts (--help computes nothing: no second start)
     command = importlib.import_module(f"{__name__}.{name}")
     cli.run(command.main, define_flags=command.define_flags, allocator=False, help_configs=command.HELP_CONFIGS,
             module_name=command.__name__)

@@ -14,12 +14,11 @@ import time
 
 from sweet_jax import cli, jsonl
 from sweet_jax.commands import launch
-from sweet_jax.data.loading import load_trajectories
-from sweet_jax.sandbox import Evaluator
 
 
 def _load(path, skip_bad):
     """[(record to write back, task, answer)]: a bad row is one line naming file:line and field."""
+    from sweet_jax.data.loading import load_trajectories  # after the flags: --help in a second
     no_reply = ("the agent never replied, so the row holds no answer to evaluate; drop it (or pass --skip_bad to "
                 "skip such rows) or add the agent's turns and its final `answer`")
     return [(t, t.task, t.answer) for t in load_trajectories(path, skip_bad=skip_bad, no_reply=no_reply)]
@@ -58,6 +57,7 @@ def main(argv=None):
     if args.timeout_s is None:
         args.timeout_s = 1.0 if args.compat == "sweet_rl" else 2.0
     rows = _load(args.trajectories, args.skip_bad)
+    from sweet_jax.sandbox import Evaluator  # after the flags: --help in a second
     with Evaluator(workers=args.workers, timeout_s=args.timeout_s, compat=args.compat,
                    degraded_ok=args.degraded_ok) as evaluator:
         start = time.perf_counter()

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from absl import flags
 
+from sweet_jax import cli
 from sweet_jax.commands import launch
-from sweet_jax.train import export as run_export
 
 
 def main(argv):
     del argv
     FLAGS = flags.FLAGS
+    cli.require_path("--workdir", FLAGS.workdir, directory=True)
+    from sweet_jax.train import export as run_export  # after the flags: --help in a second
     path = run_export.export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
                              max_shard_size=FLAGS.max_shard_size, peft_out=FLAGS.peft_out)
     print(f"exported to {path}")

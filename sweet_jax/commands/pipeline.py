@@ -37,14 +37,15 @@ import pathlib
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import cli
+from sweet_jax import cli, config_utils
 from sweet_jax.commands import launch
-from sweet_jax.pipeline.stages import run_pipeline
 
 
 def main(argv):
     del argv
     FLAGS = flags.FLAGS
+    config_utils.check_inputs(FLAGS.config, config_utils.PIPELINE_PATH_FIELDS)
+    from sweet_jax.pipeline.stages import run_pipeline  # after the flags: --help in a second
     logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
     summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)

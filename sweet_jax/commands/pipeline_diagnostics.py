@@ -20,8 +20,6 @@ import sys
 from sweet_jax import cli
 from sweet_jax.commands import launch
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, rankings, run_diagnostics
-from sweet_jax.rl.probes import run_probes
 
 
 def main(argv=None) -> None:
@@ -39,12 +37,15 @@ def main(argv=None) -> None:
     if not any((workdir / stage).is_dir() for stage in ("offline", "rank", "rank_no_info")):
         raise SweetJaxError(f"{workdir} holds no pipeline stage (offline/, rank/): pass the --workdir of a "
                             "`python -m sweet_jax.pipeline` run")
+    # After the flags: --help in a second.
+    from sweet_jax.rl.diagnostics import behaviour_diagnostics, pair_kinds, rankings, run_diagnostics  # (above)
     report = {"rankings": run_diagnostics(workdir), "behaviour": behaviour_diagnostics(workdir)}
     stages = rankings(workdir)
     for name, ranking in report["rankings"].items():   # the rankings run_diagnostics found
         stage, trajectories = stages[name]
         ranking["by_kind"] = pair_kinds(stage / "pairs.jsonl", trajectories)
     if args.probes:
+        from sweet_jax.rl.probes import run_probes  # the models' forward passes: jax, only with --probes
         report["probes"] = run_probes(workdir)
     text = json.dumps(report, indent=2)
     if args.out:

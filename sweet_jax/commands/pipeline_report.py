@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from sweet_jax import cli
 from sweet_jax.commands import launch
-from sweet_jax.rl.results import check_report_out, read_results, write_report
 
 
 def main(argv=None) -> None:
@@ -20,6 +19,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="directory for results.md and results.png")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
+    from sweet_jax.rl.results import check_report_out, read_results, write_report  # after the flags (--help)
     check_report_out(args.out, args.workdirs)
     runs = [read_results(w) for w in args.workdirs]
     md, png = write_report(runs, args.out, title=args.title)

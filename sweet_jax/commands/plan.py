@@ -25,19 +25,24 @@ from __future__ import annotations
 import math
 import sys
 
-import jax
 from absl import flags
 from ml_collections import config_flags
 
+from sweet_jax import cli
 from sweet_jax.commands import launch
-from sweet_jax.config_utils import check_config
-from sweet_jax.train.plan import (GiB, PlanError, Topology, extrapolated_plan, fit, fit_commands, make_plan,
-                                  parse_topology, report)
 
 
 def main(argv):
     del argv
-    FLAGS = flags.FLAGS
+    # Compiling runs in a worker thread: XLA holds the main thread for minutes, and Ctrl-C must stop it at once.
+    return cli.interruptible(lambda: compile_plan(flags.FLAGS))
+
+
+def compile_plan(FLAGS) -> int:
+    import jax  # after the flags: --help answers in a second
+
+    from sweet_jax.config_utils import check_config
+    from sweet_jax.train.plan import extrapolated_plan, make_plan, parse_topology, report
     # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
     # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
     jax.config.update("jax_enable_compilation_cache", False)
@@ -53,6 +58,7 @@ def main(argv):
 
 def check_flags(FLAGS) -> None:
     """plan's own numeric flags, before anything is compiled (the config's are check_config's)."""
+    from sweet_jax.train.plan import PlanError
     if FLAGS.fit_max_tries < 1:
         raise PlanError(f"--fit_max_tries={FLAGS.fit_max_tries}: compile at least 1 layout (default 24)")
     if not math.isfinite(FLAGS.hbm_gib) or FLAGS.hbm_gib < 0:
@@ -60,8 +66,9 @@ def check_flags(FLAGS) -> None:
                         "(0 = the chip's HBM)")
 
 
-def main_fit(FLAGS, topology: Topology) -> int:
+def main_fit(FLAGS, topology) -> int:
     """--fit: the cheapest layout that fits, its report and the exact commands; exit 1 when none does."""
+    from sweet_jax.train.plan import GiB, fit, fit_commands, report  # after the flags (as in compile_plan)
     argv = sys.argv[1:]
     budget = max(1, int(FLAGS.hbm_gib * GiB)) if FLAGS.hbm_gib else None
     layout, result, tried = fit(FLAGS.config, topology, estimate=FLAGS.estimate, max_tries=FLAGS.fit_max_tries,

@@ -13,15 +13,15 @@ import json
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import cli
+from sweet_jax import cli, config_utils
 from sweet_jax.commands import launch
-from sweet_jax.rl.ranking import run
 
 
 def main(argv):
     del argv
-
     config = flags.FLAGS.config
+    config_utils.check_inputs(config, config_utils.RANK_PATH_FIELDS)
+    from sweet_jax.rl.ranking import run  # after the flags: --help in a second
     result = run(config, accept_config_change=flags.FLAGS.accept_config_change)
     print(f"{config.output}: {json.dumps(result)}", flush=True)
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import cli
+from sweet_jax import cli, config_utils
 from sweet_jax.commands import launch
-from sweet_jax.rl.episodes import format_summary, run
 
 
 def main(argv):
     del argv
-
     config = flags.FLAGS.config
+    config_utils.check_inputs(config, config_utils.ROLLOUT_PATH_FIELDS)
+    from sweet_jax.rl.episodes import format_summary, run  # after the flags: --help in a second
     summary = dict(run(config, accept_config_change=flags.FLAGS.accept_config_change),
                    track=config.get("track", "backend"))
     print(format_summary(summary, config.output), flush=True)

@@ -16,7 +16,6 @@ import time
 from sweet_jax import cli
 from sweet_jax.commands import launch
 from sweet_jax.errors import SweetJaxError
-from sweet_jax.sampling.server import OpenAIApp, OpenAIServer, load_model_sampler
 
 log = logging.getLogger("sweet_jax.serve")
 
@@ -42,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
     except ValueError:
         raise SweetJaxError(f"--mesh {args.mesh!r}: expected three integers data,fsdp,tensor, e.g. 1,-1,1") from None
+    cli.require_path("--model", args.model, directory=True)
+    if args.tokenizer:
+        cli.require_path("--tokenizer", args.tokenizer, directory=True)
+    from sweet_jax.sampling.server import OpenAIApp, OpenAIServer, load_model_sampler  # after the flags (--help)
     sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
                                  max_batch_size=args.max_batch_size)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

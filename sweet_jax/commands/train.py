@@ -12,13 +12,14 @@ from __future__ import annotations
 from absl import flags
 from ml_collections import config_flags
 
-from sweet_jax import cli
+from sweet_jax import cli, config_utils
 from sweet_jax.commands import launch
-from sweet_jax.train import trainer
 
 
 def main(argv):
     del argv
+    config_utils.check_inputs(flags.FLAGS.config, config_utils.TRAIN_PATH_FIELDS)
+    from sweet_jax.train import trainer  # after the flags: --help in a second
     trainer.run(flags.FLAGS.config, flags.FLAGS.workdir, accept_config_change=flags.FLAGS.accept_config_change)
 
 

@@ -22,7 +22,6 @@ import re
 import threading
 from typing import Any, Sequence
 
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -278,17 +277,6 @@ def frontend_evaluation(records: Sequence[dict], reference_records: Sequence[dic
 # ----------------------------------------------------------------------------------------------------------
 # The track's pieces from a config, and scripted demonstrations
 # ----------------------------------------------------------------------------------------------------------
-
-def frontend_config():
-    """The `frontend` block of rollout and pipeline configs (configs/frontend.py)."""
-    f = ml_collections.ConfigDict()
-    f.clip_path = ""               # HF CLIP checkpoint directory (openai/clip-vit-base-patch32); '' = a random
-    #                                tiny CLIP: the mechanics only, its cosines mean nothing
-    f.clip_batch_size = 8
-    f.renderers = 2                # headless browsers rendering in parallel
-    f.page_time_limit_s = 15.0     # per page: load, layout and screenshot
-    return f
-
 
 class FrontendTrack:
     """What a frontend rollout needs besides the policy: browsers, a simulator, the CLIP scorer."""

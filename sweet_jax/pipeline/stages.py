@@ -24,7 +24,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from sweet_jax import config_utils, costs, jsonl
-from sweet_jax.config_utils import PIPELINE_RANGES, check_ranges, check_stages
+from sweet_jax.config_utils import (PIPELINE_PATH_FIELDS, PIPELINE_RANGES, absolute_path, absolute_paths, check_ranges,
+                                    check_stages)
 from sweet_jax.data import demo_paths, load_tasks as load_colbench_tasks, load_trajectories
 from sweet_jax.data.frontend import load_frontend_tasks
 from sweet_jax.data.loading import load_records
@@ -861,7 +862,9 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 
 def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
-    accept_config_change: go on in a workdir whose finished stages used another config (recorded)."""
+    accept_config_change: go on in a workdir whose finished stages used another config (recorded).
+    Relative paths (the workdir, the config's) are taken from the working directory, and recorded absolute."""
+    config = absolute_paths(config, PIPELINE_PATH_FIELDS)
     check_ranges(config, PIPELINE_RANGES, PipelineError)
     check_stages(config, PipelineError)
     policy_backend.check_backend(config.policy.backend, "config.policy.backend")
@@ -871,7 +874,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         family_of(config)
     check_inputs(config, methods)
     grid = selection_grid(config)
-    workdir = pathlib.Path(workdir)
+    workdir = pathlib.Path(absolute_path(os.fspath(workdir)))
     workdir.mkdir(parents=True, exist_ok=True)
     _check_same_config(config, workdir, accept_change=accept_config_change)
     run = Run(config, workdir)

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sweet_jax import costs, jsonl
-from sweet_jax.config_utils import ROLLOUT_RANGES, check_ranges
+from sweet_jax.config_utils import ROLLOUT_PATH_FIELDS, ROLLOUT_RANGES, absolute_paths, check_ranges
 from sweet_jax.data import demo, frontend as frontend_data, loading
 from sweet_jax.data.tokenizers import apply_chat_template
 from sweet_jax.envs import (AGENT_PROMPT, ColBenchEnv, ModelSimulator, NO_ANSWER, OpenAISimulator, ScriptedSimulator,
@@ -366,6 +366,7 @@ OPERATIONAL_FIELDS = ("progress", "output", "batch_size", "max_batch_size", "mes
 
 
 def run(config, *, accept_config_change: bool = False) -> dict:
+    config = absolute_paths(config, ROLLOUT_PATH_FIELDS)  # relative to the working directory, recorded absolute
     check_ranges(config, ROLLOUT_RANGES, RolloutError)
     record_config(config, accept_config_change=accept_config_change)
     frontend = config.get("track", "backend") == "frontend"

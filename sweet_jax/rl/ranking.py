@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sweet_jax import costs, jsonl
-from sweet_jax.config_utils import RANK_RANGES, check_ranges
+from sweet_jax.config_utils import RANK_PATH_FIELDS, RANK_RANGES, absolute_paths, check_ranges
 from sweet_jax.data import demo, loading, render, tokenizers
 from sweet_jax.data.pairs import policy_pairs
 from sweet_jax.data.render import RenderError
@@ -507,6 +507,7 @@ def record_config(config, *, accept_config_change: bool = False) -> list:
 
 
 def run(config, *, accept_config_change: bool = False) -> dict:
+    config = absolute_paths(config, RANK_PATH_FIELDS)  # relative to the working directory, recorded absolute
     check_ranges(config, RANK_RANGES)
     record_config(config, accept_config_change=accept_config_change)
     mesh = model_loading.make_mesh(config.mesh.shape)

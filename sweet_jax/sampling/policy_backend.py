@@ -9,7 +9,7 @@ the pipeline's offline, candidates and eval stages): `policy.backend`
                their log-probs (vLLM's `return_tokens_as_token_ids`: `logprobs.tokens` = "token_id:N"), so the
                candidates, the `sampler` rank reference and the policy pairs get exactly what the engine sampled.
 
-The `openai` settings (`policy.openai`, see `openai_config`):
+The `openai` settings (`policy.openai`, see config_utils.openai_config):
   base_urls          comma-separated engine URLs (ending in /v1); requests are spread over them round-robin and a
                      failed request is retried on the next one;
   command            instead of base_urls: a command template that starts an engine serving the exported policy,
@@ -47,7 +47,6 @@ import time
 import types
 from typing import Any, Callable, Iterator, Sequence
 
-import ml_collections
 import numpy as np
 import requests
 import urllib3
@@ -75,32 +74,6 @@ class PolicyBackendError(SweetJaxError):
 class AnswerError(Exception):
     """An engine's answer that breaks what was asked (a token id outside the vocabulary, more tokens than
     max_tokens, a log-prob per token missing, NaN or > 0, ...): the request is retried, never recorded."""
-
-
-def policy_config() -> ml_collections.ConfigDict:
-    """Where the policy samples, the `policy` block of the rollout, rank and pipeline configs (policy_sampler reads
-    it): backend and its `openai` settings. Declared, defaulted and checked (check_backend) here only."""
-    c = ml_collections.ConfigDict()
-    c.backend = "in_process"      # in_process | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
-    c.openai = openai_config()
-    return c
-
-
-def openai_config():
-    """The `policy.openai` block of the rollout, rank and pipeline configs (defaults)."""
-    c = ml_collections.ConfigDict()
-    c.base_urls = ""              # comma-separated running engines, e.g. http://h1:8000/v1,http://h2:8000/v1
-    c.command = ""                # or: start one per policy, e.g. "vllm serve {hf_dir} --port {port} ..."
-    c.host = "127.0.0.1"          # where the started engine listens ({host})
-    c.port = 0                    # its port ({port}); 0 = a free one
-    c.startup_timeout_s = 900.0   # how long the started engine may take to answer GET /v1/models
-    c.model = ""                  # served model name; '' = the first of GET /v1/models
-    c.api_key = "EMPTY"
-    c.concurrency = 64            # requests in flight (one prompt, n samples each)
-    c.max_retries = 5
-    c.backoff_s = 1.0             # first retry's wait; doubled each retry (at most 30 s)
-    c.timeout_s = 600.0           # per request
-    return c
 
 
 def check_backend(backend: str, field: str) -> None:
@@ -509,7 +482,7 @@ def policy_sampler(policy, path: str, tokenizer: str = "", *, seed: int = 0, dty
                    max_batch_size: int = 64, reuse=None, cpu_matmul: str | None = None, served: str | None = None,
                    field: str = "policy", engine_log: str | os.PathLike | None = None) -> Iterator[BaseSampler]:
     """A sampler for the policy at `path` for the duration of the block, where the config's `policy` block
-    (policy_config) says: backend in_process, generate.load_sampler (the tokenizer `tokenizer`, else the model's;
+    (config_utils.policy_config) says: backend in_process, generate.load_sampler (the tokenizer `tokenizer`, else the model's;
     dtype, mesh, max_batch_size, reuse, cpu_matmul: its settings); openai, an OpenAISampler over
     policy.openai.base_urls, or over an engine started from policy.openai.command for `path` (stopped when the
     block ends, its output in engine_log). served: the model the engines at base_urls serve, when the caller

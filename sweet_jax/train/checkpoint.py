@@ -11,11 +11,15 @@ filled up) the next older one is used, with a warning naming the bad step, and t
 moved aside so later saves can reuse its step number. It never falls back silently to step 0: a checkpoint
 whose arrays have other shapes than the model now built (a config change of the parameter tree) is a
 CheckpointError that says so and moves nothing, and a directory whose checkpoints were all moved aside is one too.
+Only damage moves a checkpoint: a restore that fails for another reason (memory, a device, a path Orbax refuses)
+while the step's files read back whole is a CheckpointError that leaves it in place (Checkpointer.damage).
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import pathlib
 import shutil
 import sys
@@ -27,9 +31,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from sweet_jax.config_utils import absolute_path
 from sweet_jax.errors import SweetJaxError, disk_full
 
 log = logging.getLogger(__name__)
+
+
+# The metadata files Orbax writes as JSON in a step directory (and array_metadatas/process_*).
+JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
+# What tensorstore says when the bytes it read are short, missing or do not decode.
+DATA_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "Error reading", "Error decoding", "checksum", "corrupt")
 
 
 class CheckpointError(SweetJaxError):
@@ -61,7 +72,7 @@ class Checkpointer:
     """Thin, explicit wrapper over ocp.CheckpointManager for one run directory."""
 
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
-        self.directory = epath.Path(directory)
+        self.directory = epath.Path(absolute_path(os.fspath(directory)))  # Orbax refuses relative paths
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep and keep > 0 else None,
             enable_async_checkpointing=async_save,
@@ -136,8 +147,13 @@ class Checkpointer:
             self._check_shapes(candidate, abstract_items)  # a config change is not damage: nothing is moved
             try:
                 state, meta = self._restore_step(candidate, abstract_items)
-            except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; damage() tells which
+                reason = self.damage(candidate, e)
+                if reason is None:  # the files read back whole: the error is not about them, nothing is moved
+                    raise CheckpointError(
+                        f"could not restore checkpoint step {candidate} from {self.directory} "
+                        f"({_first_line(e)}); its files read back whole, so it was left in place: the error is "
+                        "not about its bytes (set SWEET_JAX_DEBUG=1 for the traceback)") from e
                 errors.append(f"step {candidate}: {reason}")
                 log.warning("checkpoint step %d in %s is unreadable (%s); falling back to the previous one",
                             candidate, self.directory, reason)
@@ -148,6 +164,38 @@ class Checkpointer:
             return candidate, state, meta
         raise CheckpointError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(errors)}); "
                               "delete the directory to start from scratch or point --workdir elsewhere")
+
+    def damage(self, step: int, error: BaseException) -> str | None:
+        """What is wrong with the bytes of `step`, judged on what is read back, not on the restore's exception
+        alone: a file of the step that cannot be read, a metadata file that is not JSON, or a restore error
+        raised while reading or decoding its data (tensorstore's DATA_LOSS, OUT_OF_RANGE for a short file,
+        NOT_FOUND for a missing one). None when the files read back whole and the error is about something else
+        (a path Orbax refuses, memory, a device): such a checkpoint is good and is never moved aside."""
+        root = self.directory / str(step)
+        if not root.exists():
+            return f"{root} is gone"
+        for path in _files(root):
+            is_json = path.name in JSON_FILES or path.parent.name == "array_metadatas"
+            try:
+                with path.open("rb") as f:
+                    data = f.read() if is_json else f.read(1)  # the arrays' bytes: tensorstore's errors below
+            except OSError as e:
+                return f"{path}: cannot be read ({e.strerror or e})"
+            if is_json:
+                try:
+                    json.loads(data)
+                except ValueError:
+                    return f"{path}: not JSON"
+        chain, seen = error, set()
+        while chain is not None and id(chain) not in seen:
+            seen.add(id(chain))
+            if isinstance(chain, (CheckpointError, FileNotFoundError, EOFError, json.JSONDecodeError)):
+                return _first_line(chain)
+            text = str(chain)
+            if any(marker in text for marker in DATA_ERRORS):
+                return _first_line(chain)
+            chain = chain.__cause__ or chain.__context__
+        return None
 
     def moved_aside(self) -> list[pathlib.Path]:
         """The checkpoint directories `quarantine` moved to ../corrupt_checkpoints/ (local runs)."""
@@ -202,6 +250,18 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"quarantine_{step}")
         self._manager.reload()
+
+
+def _files(directory) -> list:
+    """Every file under `directory` (epath: a remote tree is walked one level at a time, as gs:// requires)."""
+    out = []
+    for path in sorted(directory.iterdir()):
+        out += _files(path) if path.is_dir() else [path]
+    return out
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
 
 
 def abstract_like(tree: Any) -> Any:

@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 from sweet_jax import sharding
-from sweet_jax.config_utils import model_overrides
+from sweet_jax.config_utils import absolute_path, model_overrides
 from sweet_jax.data import demo
 from sweet_jax.data.tokenizers import check_vocab, end_of_turn_ids, load_tokenizer
 from sweet_jax.models import Llama, LlamaConfig, load_hf
@@ -123,8 +123,9 @@ def restore_model(workdir, step: int | None = None):
     """(the trained model as an nnx Llama, its step, the run's config) from a training run directory: only
     the trained parameters, restored straight onto a mesh over the local devices. A LoRA run's checkpoints
     hold the adapters: the base is rebuilt as the run built it (model.path or the seeded demo init) and the
-    model comes back with its adapters (models.lora.merge folds them in)."""
-    workdir = pathlib.Path(workdir)
+    model comes back with its adapters (models.lora.merge folds them in). A relative workdir is taken from the
+    working directory."""
+    workdir = pathlib.Path(absolute_path(os.fspath(workdir)))
     config = read_config(workdir)
     tokenizer = load_tokenizer(tokenizer_path(config))
     llama_config = model_config(config, vocab_size=len(tokenizer), tokenizer=tokenizer)

@@ -98,20 +98,33 @@ def workdir_lock(workdir):
 
     workdir.mkdir(parents=True, exist_ok=True)
     path = os.path.join(os.fspath(workdir), ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
             raise RunDirError(f"{workdir} is in use by another trainer ({holder}); wait for it to finish, stop it, "
                               "or pick another --workdir") from None
+        try:
+            same_file = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            break
+        os.close(fd)  # the holder removed it between our open and flock: lock the new file
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, started {_now()}\n".encode(), 0)
         yield
     finally:
+        # Removed while still held, so that no .lock naming a finished (dead) process stays behind; a trainer
+        # that opened the old file meanwhile sees it gone after its flock and locks a new one (the loop above).
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         os.close(fd)  # releases the flock
 
 
@@ -141,7 +154,14 @@ def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any,
         for key in sorted(set(old) | set(new)):
             out += config_changes(old.get(key), new.get(key), f"{prefix}{key}.")
         return out
-    return [(prefix.rstrip("."), old, new)] if old != new else []
+    return [(prefix.rstrip("."), old, new)] if old != new and not _same_path(old, new) else []
+
+
+def _same_path(old: Any, new: Any) -> bool:
+    """A path recorded relative (before paths were recorded absolute) and the same path now absolute, as it
+    resolves from the directory of this rerun: not a change."""
+    return (isinstance(old, str) and isinstance(new, str) and bool(old) and not os.path.isabs(old)
+            and "://" not in old and os.path.isabs(new) and os.path.abspath(old) == new)
 
 
 def _new_field_at_its_default(field: str, old: Any, new: Any) -> bool:

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import tempfile
@@ -25,7 +26,8 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from sweet_jax import cli, costs, host_malloc, sharding
-from sweet_jax.config_utils import TrainConfigError, check_config
+from sweet_jax.config_utils import (TRAIN_PATH_FIELDS, TrainConfigError, absolute_path, absolute_paths,
+                                    check_config)
 from sweet_jax.data.datasets import build_datasets
 from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
 from sweet_jax.errors import SweetJaxError
@@ -98,7 +100,10 @@ def run(config: ml_collections.ConfigDict, workdir, *, accept_config_change: boo
     """Train as configured in `workdir` (resuming it if it holds a run). Returns a summary dict.
 
     A finished run made with the same config returns its summary at once. A run whose saved config differs
-    is refused (naming the fields) unless accept_config_change, which records the change in the workdir."""
+    is refused (naming the fields) unless accept_config_change, which records the change in the workdir.
+    Relative paths (the workdir, the config's) are taken from the working directory, and recorded absolute."""
+    config = absolute_paths(config, TRAIN_PATH_FIELDS)
+    workdir = absolute_path(os.fspath(workdir))
     check_config(config)
     rundir.check_workdir(workdir)
     finished = rundir.finished_summary(config, workdir)
