@@ -1,7 +1,7 @@
 """sweet_jax: SWEET-RL and ColBench in JAX/Flax.
 
 The packages, bottom to top (an arrow only points down; tests/test_layers.py asserts it):
-    errors, jsonl, host_malloc, http_bounds, cli, sharding   the bottom layer (this directory)
+    errors, jsonl, host_malloc, http_bounds, cli, sharding, costs   the bottom layer (this directory)
     sandbox          the code-execution sandbox that scores answers
     models           the Llama family (Flax NNX), its HF / GGUF import and export, LoRA, CLIP
     data             ColBench records, tokenizers, chat rendering, training pairs, batching

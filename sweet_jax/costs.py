@@ -15,6 +15,8 @@ import contextlib
 import threading
 import time
 
+from jax import monitoring
+
 _lock = threading.Lock()
 _totals: collections.Counter = collections.Counter()
 
@@ -69,7 +71,6 @@ def listen_to_compiles() -> None:
     global _listening
     if _listening:
         return
-    from jax import monitoring   # here, so that importing this module never starts JAX
     monitoring.register_event_duration_secs_listener(_on_duration)
     monitoring.register_event_listener(_on_event)
     _listening = True

@@ -39,13 +39,10 @@ def main(argv):
 
 
 def compile_plan(FLAGS) -> int:
-    import jax  # after the flags: --help answers in a second
-
-    from sweet_jax.config_utils import check_config
-    from sweet_jax.train.plan import extrapolated_plan, make_plan, parse_topology, report
-    # A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
-    # compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run).
-    jax.config.update("jax_enable_compilation_cache", False)
+    from sweet_jax.config_utils import check_config  # after the flags (--help answers in a second)
+    from sweet_jax.train.plan import (extrapolated_plan, make_plan, no_compilation_cache, parse_topology,  # (same)
+                                      report)
+    no_compilation_cache()
     check_flags(FLAGS)
     check_config(FLAGS.config)
     topology = parse_topology(FLAGS.topology)
@@ -58,7 +55,7 @@ def compile_plan(FLAGS) -> int:
 
 def check_flags(FLAGS) -> None:
     """plan's own numeric flags, before anything is compiled (the config's are check_config's)."""
-    from sweet_jax.train.plan import PlanError
+    from sweet_jax.train.plan import PlanError  # after the flags (as in compile_plan)
     if FLAGS.fit_max_tries < 1:
         raise PlanError(f"--fit_max_tries={FLAGS.fit_max_tries}: compile at least 1 layout (default 24)")
     if not math.isfinite(FLAGS.hbm_gib) or FLAGS.hbm_gib < 0:

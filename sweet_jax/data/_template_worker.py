@@ -62,7 +62,7 @@ def main() -> None:
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    from transformers.utils import chat_template_utils
+    from transformers.utils import chat_template_utils   # after the memory limit: the import counts against it
 
     # what tokenizer.apply_chat_template does before it renders: messages' None values dropped
     normalize = getattr(chat_template_utils, "_normalize_chat_messages",

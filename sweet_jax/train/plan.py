@@ -77,6 +77,13 @@ class Topology:
         return self.local_bytes if self.chip == LOCAL else CHIPS[self.chip]["hbm"]
 
 
+def no_compilation_cache() -> None:
+    """A program compiled for a TPU topology from a CPU host cannot be stored in or loaded from JAX's persistent
+    compilation cache (no TPU client to deserialise it): every command line turns the cache on (cli.run), plan
+    turns it off."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def parse_topology(text: str) -> Topology:
     """'v5e-16' (a Cloud TPU slice name), 'v5e:4x4' (the chip grid) or 'local' (this host's devices) -> Topology."""
     text = text.strip().lower()
