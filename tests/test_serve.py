@@ -647,3 +647,35 @@ def test_a_number_past_a_machine_integer_is_a_400(server, raw):
     status, body = _post(server, "/v1/completions", None, raw=raw)
     assert status == 400, body
     assert _post(server, "/v1/completions", HONEST)[0] == 200
+
+
+def test_a_streamed_choice_sends_only_text_no_later_token_can_change():
+    """A character split over two tokens waits for its second token; the last characters that could begin a stop
+    string wait; the final sample brings the rest. The deltas join to the final text and carry each token once."""
+    from sweet_jax.sampling.base import Sample
+    from sweet_jax.sampling.server import StreamedChoice
+
+    texts = {1: "He", 2: "llo", 3: " wor", 4: "ld", 9: "\ufffd", 10: "\ufffd"}
+
+    class Pieces:  # token 9 then 10 spell one character, "€"; alone, 9 is incomplete
+        def decode(self, ids):
+            out, ids = [], list(ids)
+            for k, t in enumerate(ids):
+                if t == 10 and k and ids[k - 1] == 9:
+                    continue
+                out.append("€" if t == 9 and ids[k + 1:k + 2] == [10] else texts[t])
+            return "".join(out)
+
+        def token_texts(self, ids):
+            return [texts[t] for t in ids]
+
+    choice, sampler = StreamedChoice(stop=("ld",)), Pieces()
+
+    def partial(ids):
+        return choice.advance(sampler, Sample(None, ids, [0.0] * len(ids), None), final=False)
+    assert partial([1, 2]) == [("He", [0])]              # "Hello": its last character could begin "ld"
+    assert partial([1, 2, 9]) == [("llo", [1])]          # the euro sign is incomplete
+    assert partial([1, 2, 9, 10, 3]) == [("€", [2, 3])]  # " wor" could end in "l" + "d"
+    final = Sample("Hello€ wor", [1, 2, 9, 10, 3, 4], [0.0] * 6, "stop")
+    assert choice.advance(sampler, final, final=True) == [(" wor", [4]), ("", [5])]
+    assert choice.text == final.text and choice.offsets == [0, 2, 5, 6, 7, 11]

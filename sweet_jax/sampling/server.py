@@ -371,24 +371,25 @@ class StreamedChoice:
         if self.stop:  # the earliest stop string, or the tail where one could still begin
             limit = min([whole.find(s) for s in self.stop if s in whole] + [max(0, len(whole) - self.hold)])
 
-        def settled(k: int) -> str | None:
-            text = sampler.decode(ids[:k]) or ""
-            ok = len(text) <= limit and whole.startswith(text) and not text.endswith("\ufffd")
-            return text if ok else None
+        def text_of(k: int) -> str:
+            return sampler.decode(ids[:k]) or ""
 
-        lo, best = self.tokens, self.text
-        hi = len(ids)
-        if hi > lo and (text := settled(hi)) is not None:   # the usual case: every token so far
+        def within(text: str) -> bool:  # an incomplete last character counts as its bytes' start
+            text = text.rstrip("\ufffd")
+            return len(text) <= limit and whole.startswith(text)
+
+        lo, hi = self.tokens, len(ids)
+        if hi > lo and within(text := text_of(hi)) and not text.endswith("\ufffd"):  # the usual case
             return hi, text
-        hi -= 1
-        while lo < hi:   # a prefix's text grows with it: the longest settled prefix by bisection
+        while lo < hi:   # a prefix's text grows with it: the longest prefix within the limit by bisection
             mid = (lo + hi + 1) // 2
-            text = settled(mid)
-            if text is not None:
-                lo, best = mid, text
+            if within(text_of(mid)):
+                lo = mid
             else:
                 hi = mid - 1
-        return lo, best
+        while lo > self.tokens and text_of(lo).endswith("\ufffd"):  # back to a whole character
+            lo -= 1
+        return lo, text_of(lo) if lo > self.tokens else self.text
 
 
 class Stream:
@@ -933,8 +934,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """Whether the client has closed its end (readable at end of file): what it asked for may be dropped."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            poller = select.poll()  # (select.select fails on descriptors past 1024)
+            poller.register(self.connection, select.POLLIN)
+            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
 
