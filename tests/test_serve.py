@@ -679,3 +679,18 @@ def test_a_streamed_choice_sends_only_text_no_later_token_can_change():
     final = Sample("Hello€ wor", [1, 2, 9, 10, 3, 4], [0.0] * 6, "stop")
     assert choice.advance(sampler, final, final=True) == [(" wor", [4]), ("", [5])]
     assert choice.text == final.text and choice.offsets == [0, 2, 5, 6, 7, 11]
+
+
+def test_a_stream_with_stop_strings_joins_to_the_cut_reply(recorded):
+    """Streamed while the decode loop runs, a reply cut by a stop string sends nothing past the cut."""
+    srv, _, _ = recorded
+    body = {"model": "tiny", "prompt": "The sum of two", "max_tokens": 120, "temperature": 1.0, "seed": 8, "n": 4,
+            "stop": ["e ", "th"], "logprobs": 1}
+    whole = _post(srv, "/v1/completions", body)[1]["choices"]
+    assert any(c["finish_reason"] == "stop" for c in whole)
+    events = [e for _, e in _stream_lines(srv, body) if e != "[DONE]"]
+    for choice in whole:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"] and mine[-1]["finish_reason"] == choice["finish_reason"]
+        assert [lp for c in mine if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]] == \
+            choice["logprobs"]["token_logprobs"]
