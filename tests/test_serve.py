@@ -406,15 +406,6 @@ def test_completions_stream_each_choice_with_its_token_logprobs(client, server):
     assert all(c.usage is None for c in chunks)   # no include_usage: no usage chunk
 
 
-def test_stream_deltas_always_join_to_the_reply():
-    from sweet_jax.sampling.server import text_deltas
-
-    assert text_deltas("ab c", ["a", "b", " c"]) == [("a", 0), ("b", 1), (" c", 2)]
-    # A stop string cut the reply inside a token, and the stop token decodes to nothing of the text.
-    assert text_deltas("ab", ["a", "bc", "<|eot_id|>"]) == [("a", 0), ("b", -1)]
-    assert text_deltas("", ["<|eot_id|>"]) == []
-
-
 def test_warmup_compiles_the_shapes_a_first_request_would_otherwise_wait_for(hf_dir):
     import transformers
 
@@ -677,7 +668,7 @@ def test_a_streamed_choice_sends_only_text_no_later_token_can_change():
     assert partial([1, 2, 9]) == [("llo", [1])]          # the euro sign is incomplete
     assert partial([1, 2, 9, 10, 3]) == [("€", [2, 3])]  # " wor" could end in "l" + "d"
     final = Sample("Hello€ wor", [1, 2, 9, 10, 3, 4], [0.0] * 6, "stop")
-    assert choice.advance(sampler, final, final=True) == [(" wor", [4]), ("", [5])]
+    assert choice.advance(sampler, final, final=True) == [(" wor", [4, 5])]
     assert choice.text == final.text and choice.offsets == [0, 2, 5, 6, 7, 11]
 
 

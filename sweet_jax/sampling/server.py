@@ -8,10 +8,11 @@
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with logprobs). Request fields:
 temperature, top_p, max_tokens (chat also max_completion_tokens), n, stop, seed, logprobs (chat: bool, with
 top_logprobs <= 20; completions: int <= 5, the top N and the sampled token per token, as OpenAI); top_k,
-stop_token_ids as extensions; stream (server-sent events: the role, then one delta per token, then each choice's
+stop_token_ids as extensions; stream (server-sent events: the role, then the text deltas, then each choice's
 finish_reason, then with stream_options.include_usage a last chunk holding the usage, then `data: [DONE]`). A stream
 is sent as the decode loop runs: the loop stops after 1, 2, 4, ... then every `chunk_steps` steps to hand the new
-tokens over (the same tokens and log-probs as one loop), and each event is built when it is sent. Text a later
+tokens over (the same tokens and log-probs as one loop), each choice's new tokens go out as one delta (with their
+log-probs when asked), and each event is built when it is sent. Text a later
 token could still change (a character split over tokens, a stop string's start) waits for it. Echo is not served
 (a 400 with the reason).
 
@@ -159,6 +160,8 @@ class BatchingEngine:
             item = lane.get()
             if item is None:
                 break
+            # A free runner first: requests that come while every runner is busy all join the next call.
+            self._runner_slots.acquire()
             batch, rows = [item], item[0].params.n
             first = time.monotonic()
             deadline = first + self.batch_window_s
@@ -181,9 +184,9 @@ class BatchingEngine:
                 deadline = min(time.monotonic() + self.batch_window_s, first + self.max_wait_s)
             batch = [item for item in batch if not item[1].cancelled()]
             if not batch:
+                self._runner_slots.release()
                 continue
             self.batch_sizes.append(len(batch))
-            self._runner_slots.acquire()  # all runners busy: the requests wait in the lane's queue
             try:
                 self._runners.submit(self._generate_then_free, batch)
             except RuntimeError:  # closed
@@ -291,38 +294,10 @@ def _include_usage(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
-def text_deltas(text: str, pieces: list[str]) -> list[tuple[str, int]]:
-    """A reply's text cut into stream deltas, one per token: (delta, index of its token). Token texts that do not
-    add up to the reply (a stop string cut it, a token that decodes only with its neighbours) end the per-token
-    cut; what remains of the text is the last delta (index -1). The deltas always join to `text`."""
-    out, done = [], ""
-    for i, piece in enumerate(pieces):
-        if not piece or not text.startswith(done + piece):
-            break
-        done += piece
-        out.append((piece, i))
-    if done != text:
-        out.append((text[len(done):], -1))
-    return out
-
-
-def token_deltas(text: str, pieces: list[str], start: int = 0) -> list[tuple[str, list[int]]]:
-    """`text`, the new text of tokens start, start + 1, ..., as stream deltas with the tokens each carries: one
-    delta per token while the tokens' own texts spell the text (text_deltas), then the rest of the text with
-    every remaining token. The deltas join to `text` and carry each token once."""
-    out = [(delta, [start + i] if i >= 0 else []) for delta, i in text_deltas(text, pieces)]
-    matched = sum(1 for _, tokens in out if tokens)
-    rest = list(range(start + matched, start + len(pieces)))
-    if rest:
-        if out and not out[-1][1]:
-            out[-1] = (out[-1][0], rest)
-        else:
-            out.append(("", rest))
-    return out
-
-
 class StreamedChoice:
-    """What one streamed choice has sent: its text, and the tokens whose log-probs went out with it.
+    """What one streamed choice has sent: its text, and the tokens whose log-probs went out with it. Each stop of
+    the decode loop gives one delta per choice with all its new tokens (an event per token costs the host more
+    than the decode loop at 64 streams).
 
     Only text that cannot change goes out before the reply ends: not the stop token's, not a character still
     incomplete (a byte-level token ends inside it), nothing from a stop string on, nor the last characters that
@@ -337,7 +312,8 @@ class StreamedChoice:
         self._piece_end = 0
 
     def advance(self, sampler: Sampler, sample: Sample, final: bool) -> list[tuple[str, list[int]]]:
-        """The new deltas of `sample` (this choice's samples so far, or its final one): [(text, token positions)]."""
+        """The new delta of `sample` (this choice's samples so far, or its final one): [(text, token positions)],
+        or [] when nothing new can go out."""
         if self.ended:
             return []
         ids = sample.token_ids
@@ -356,11 +332,10 @@ class StreamedChoice:
         else:  # a tokenizer whose decoded prefixes are not prefixes of the whole: what went out stays
             log.warning("stream: the reply's text does not continue what was sent; the rest is not sent")
             delta = ""
-        pieces = sampler.token_texts(ids[self.tokens:end])
-        for piece in pieces:
+        for piece in sampler.token_texts(ids[self.tokens:end]):
             self.offsets.append(self._piece_end)
             self._piece_end += len(piece)
-        out = token_deltas(delta, pieces, self.tokens)
+        out = [(delta, list(range(self.tokens, end)))]
         self.tokens = end
         return out
 
@@ -379,8 +354,8 @@ class StreamedChoice:
             return len(text) <= limit and whole.startswith(text)
 
         lo, hi = self.tokens, len(ids)
-        if hi > lo and within(text := text_of(hi)) and not text.endswith("\ufffd"):  # the usual case
-            return hi, text
+        if hi > lo and within(whole) and not whole.endswith("\ufffd"):  # the usual case
+            return hi, whole
         while lo < hi:   # a prefix's text grows with it: the longest prefix within the limit by bisection
             mid = (lo + hi + 1) // 2
             if within(text_of(mid)):
