@@ -733,10 +733,12 @@ class Sampler(BaseSampler):
 
         has_stop_strings = any(r.params.stop for r in requests) and self.tokenizer is not None
         chunk = self.stop_check_every if has_stop_strings else max_new
+        # A stream's first tokens come after 1, 2, 4, ... steps; only looking for cancelled requests, every
+        # chunk_steps steps (and only the done flags cross to the host).
         reports = on_chunk is not None or cancelled is not None
         string_stop_at: dict[int, tuple[int, str]] = {}  # row -> (tokens kept, text)
         cancelled_rows: set[int] = set()
-        step, checked, report_at = 0, 0, 1
+        step, checked, report_at = 0, 0, 1 if on_chunk is not None else chunk_steps
         outputs = ["tokens", "logprobs", "length", "stopped", "done"] + (["top_ids", "top_logprobs"] if top_n else [])
         while step < max_new:
             # The window holding this step's slot (P + step); its loop stops at the window's end, the next
@@ -751,7 +753,7 @@ class Sampler(BaseSampler):
             report = reports and step >= min(report_at, max_new)
             if not check_stops and not report:
                 continue
-            fields = fetch(outputs)
+            fields = fetch(outputs if check_stops or on_chunk is not None else ["done"])
             done = fields["done"]
             newly_done = np.zeros(N, bool)
             if check_stops:
@@ -765,7 +767,7 @@ class Sampler(BaseSampler):
                         string_stop_at[row] = hit
                         newly_done[row] = not done[row]
             if report:
-                report_at = step + min(max(step, 1), chunk_steps)  # 1, 2, 4, ... then every chunk_steps
+                report_at = step + (min(max(step, 1), chunk_steps) if on_chunk is not None else chunk_steps)
                 if on_chunk is not None and step < max_new:
                     on_chunk(samples_of(fields, final=False))
                 if cancelled is not None:

@@ -211,9 +211,10 @@ class BatchingEngine:
                     on_progress(samples)
 
         try:
+            streamed = any(item[2] is not None for item in batch)  # else the loop stops only to look for cancels
             results = self.sampler.generate_requests(
-                [item[0] for item in batch], on_batch=answer, on_chunk=progress, chunk_steps=self.chunk_steps,
-                cancelled=lambda i: batch[i][1].cancelled())
+                [item[0] for item in batch], on_batch=answer, on_chunk=progress if streamed else None,
+                chunk_steps=self.chunk_steps, cancelled=lambda i: batch[i][1].cancelled())
         except Exception as e:
             pending = [item for item in batch if not item[1].done()]
             if len(pending) > 1:  # find the request that fails; the others get their samples
