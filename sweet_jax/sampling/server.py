@@ -108,8 +108,8 @@ class BatchingEngine:
     Two lanes, each its own thread and queue: requests costing more than `long_request_rows` sample rows x
     new tokens (n=64 with 480 tokens, say) go to the long lane, everything else to the short lane. A lane hands
     each call it collects to one of `max_running_calls` runners and goes back to collecting: requests that come
-    while a call decodes start their own call at once (the calls' decode loops, run `chunk_steps` steps at a
-    time, take turns on the device) instead of waiting for the running one to end. The decode loop stops every
+    while a call decodes start their own call at once (the calls share the device) instead of waiting for the
+    running one to end; when every runner is busy, the requests that come meanwhile wait and share the next call. The decode loop stops every
     chunk to hand each request's tokens so far to its `on_progress` (a stream's events) and to drop the rows of
     a request whose future was cancelled (its client left). A call that fails is re-run one request at a time,
     so only the request that fails gets the error."""
