@@ -682,6 +682,7 @@ def test_a_stream_with_stop_strings_joins_to_the_cut_reply(recorded):
     events = [e for _, e in _stream_lines(srv, body) if e != "[DONE]"]
     for choice in whole:
         mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == choice["index"]]
-        assert "".join(c["text"] for c in mine) == choice["text"] and mine[-1]["finish_reason"] == choice["finish_reason"]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
         assert [lp for c in mine if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]] == \
             choice["logprobs"]["token_logprobs"]

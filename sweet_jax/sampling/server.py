@@ -109,10 +109,10 @@ class BatchingEngine:
     new tokens (n=64 with 480 tokens, say) go to the long lane, everything else to the short lane. A lane hands
     each call it collects to one of `max_running_calls` runners and goes back to collecting: requests that come
     while a call decodes start their own call at once (the calls share the device) instead of waiting for the
-    running one to end; when every runner is busy, the requests that come meanwhile wait and share the next call. The decode loop stops every
-    chunk to hand each request's tokens so far to its `on_progress` (a stream's events) and to drop the rows of
-    a request whose future was cancelled (its client left). A call that fails is re-run one request at a time,
-    so only the request that fails gets the error."""
+    running one to end; when every runner is busy, the requests that come meanwhile wait and share the next
+    call. The decode loop stops every chunk to hand each request's tokens so far to its `on_progress` (a
+    stream's events) and to drop the rows of a request whose future was cancelled (its client left). A call that
+    fails is re-run one request at a time, so only the request that fails gets the error."""
 
     def __init__(self, sampler: Sampler, *, max_batch_size: int = 64, batch_window_s: float = 0.01,
                  long_request_rows: int = 4096, max_call_rows: int | None = None, max_wait_s: float = 0.25,
@@ -398,7 +398,8 @@ class Stream:
 
 
 def _error_event(message: str, kind: str) -> bytes:
-    return f"data: {json.dumps({'error': {'message': message, 'type': kind, 'param': None, 'code': None}})}\n\n".encode()
+    error = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return f"data: {json.dumps(error)}\n\n".encode()
 
 
 def sampling_params(body: dict, *, default_max_tokens: int, vocab_size: int | None = None,
