@@ -365,3 +365,81 @@ def test_generate_requests_hands_each_compiled_batch_over_as_it_finishes(hf_dir,
     assert [idx for idx, _ in batches] == [[1, 2], [0]]  # sorted by prompt length, 2 requests x n=2 rows a batch
     for idx, samples in batches:
         assert [[s.token_ids for s in results[i]] for i in idx] == [[s.token_ids for s in g] for g in samples]
+
+
+def test_chunked_decoding_gives_the_tokens_and_logprobs_of_the_whole_loop(sampler):
+    """Streaming runs the compiled decode loop in pieces (1, 2, 4, ... then every chunk_steps steps): the same
+    tokens and log-probs, bit for bit, as one loop; each report is a prefix of the final sample."""
+    prompts = random_prompts([5, 12, 30], seed=7)
+    requests = [Request(p, SamplingParams(max_new_tokens=40, temperature=1.0, n=2, seed=i, ignore_eos=i != 1))
+                for i, p in enumerate(prompts)] + [Request(prompts[0], SamplingParams(max_new_tokens=9,
+                                                                                       temperature=0.0))]
+    whole = sampler.generate_requests(requests)
+    reports = []
+    chunked = sampler.generate_requests(requests, chunk_steps=8,
+                                        on_chunk=lambda idx, partial: reports.append((idx, partial)))
+    for a, b in zip(whole, chunked):
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+        assert [s.logprobs for s in a] == [s.logprobs for s in b]
+        assert [(s.text, s.finish_reason) for s in a] == [(s.text, s.finish_reason) for s in b]
+    lengths = [len(partial[0][0].token_ids) for _, partial in reports]
+    assert lengths[:4] == [1, 2, 4, 8] and lengths[4] == 16 and len(reports) >= 6
+    for idx, partial in reports:
+        for i, samples in zip(idx, partial):
+            for got, final in zip(samples, chunked[i]):
+                assert final.token_ids[:len(got.token_ids)] == got.token_ids
+                assert final.logprobs[:len(got.logprobs)] == got.logprobs
+                assert got.text is None and got.finish_reason in (None, final.finish_reason)
+
+
+def test_chunked_decoding_keeps_stop_strings(sampler, tokenizer):
+    """With stop strings the text checks happen at the same steps, chunked or not."""
+    prompt = sampler.encode("The sum of two")
+    params = SamplingParams(max_new_tokens=48, temperature=1.0, seed=11, stop=("e",), n=3)
+    whole = sampler.generate_requests([Request(prompt, params)])[0]
+    chunked = sampler.generate_requests([Request(prompt, params)], chunk_steps=4, on_chunk=lambda *a: None)[0]
+    assert [(s.text, s.token_ids, s.logprobs, s.finish_reason) for s in whole] == \
+        [(s.text, s.token_ids, s.logprobs, s.finish_reason) for s in chunked]
+    assert any(s.finish_reason == "stop" and "e" not in s.text for s in whole)
+
+
+def test_top_logprobs_are_the_models_best_tokens_with_the_sampled_ones_logprob(sampler):
+    """SamplingParams.top_logprobs: per token the N most likely tokens of the model's (temperature 1) distribution,
+    best first; the sampled token's log-prob is unchanged, and a greedy token is the first alternative."""
+    prompt = random_prompts([11], seed=5)[0]
+    plain = sampler.generate_requests([Request(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))])[0][0]
+    ranked = sampler.generate_requests([Request(prompt, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                       top_logprobs=3))])[0][0]
+    assert plain.top_logprobs is None and ranked.token_ids == plain.token_ids
+    np.testing.assert_allclose(ranked.logprobs, plain.logprobs, rtol=1e-6)
+    assert len(ranked.top_logprobs) == len(ranked.token_ids)
+    for token, lp, top in zip(ranked.token_ids, ranked.logprobs, ranked.top_logprobs):
+        assert len(top) == 3 and top[0][0] == token
+        np.testing.assert_allclose(top[0][1], lp, rtol=1e-5)
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    # The alternatives are the teacher-forced distribution's top 3.
+    logp = teacher_forced_logp(sampler.model, prompt, ranked.token_ids)
+    for t, top in enumerate(ranked.top_logprobs):
+        assert [i for i, _ in top] == np.argsort(-logp[t])[:3].tolist()
+        np.testing.assert_allclose([v for _, v in top], np.sort(logp[t])[::-1][:3], atol=1e-4)
+    with pytest.raises(GenerateError, match="top_logprobs"):
+        SamplingParams(top_logprobs=21).check()
+
+
+def test_a_cancelled_request_stops_at_the_next_chunk_and_the_others_are_unchanged(sampler):
+    prompts = random_prompts([6, 7], seed=9)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=2, ignore_eos=True)
+    requests = [Request(p, params) for p in prompts]
+    whole = sampler.generate_requests(requests)
+    stop_first = {"now": False}
+
+    def report(idx, partial):
+        stop_first["now"] = len(partial[0][0].token_ids) >= 4
+
+    got = sampler.generate_requests(requests, chunk_steps=8, on_chunk=report,
+                                    cancelled=lambda i: i == 0 and stop_first["now"])
+    assert got[0][0].finish_reason == "cancelled" and len(got[0][0].token_ids) == 4
+    assert got[0][0].token_ids == whole[0][0].token_ids[:4]
+    assert got[1][0].token_ids == whole[1][0].token_ids and got[1][0].logprobs == whole[1][0].logprobs
+    skipped = sampler.generate_requests(requests, cancelled=lambda i: i == 1)
+    assert skipped[1] == [] and skipped[0][0].token_ids == whole[0][0].token_ids

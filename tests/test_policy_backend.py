@@ -369,3 +369,75 @@ def test_an_answer_larger_than_the_request_allows_is_not_read_whole(demo_tokeniz
                                                vocab_size=VOCAB)
         with pytest.raises(policy_backend.PolicyBackendError, match="announces|passed"):
             sampler.generate([[1, 2]], max_new_tokens=1)
+
+
+# -- the engine while it starts: GET /models under the request deadline and the answer's size cap --
+
+class ModelsEngine:
+    """GET /v1/models on 127.0.0.1: `body` after the status line, a byte every `drip_s` seconds (headers
+    included) when drip_s > 0."""
+
+    def __init__(self, body: bytes, drip_s: float = 0.0):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                data = (b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(body), body))
+                try:
+                    if not drip_s:
+                        self.wfile.write(data)
+                        return
+                    for i in range(len(data)):
+                        self.wfile.write(data[i:i + 1])
+                        self.wfile.flush()
+                        time.sleep(drip_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+MODEL_LIST = json.dumps({"object": "list", "data": [{"id": "served-policy", "object": "model"}]}).encode()
+
+
+def test_an_engine_that_drips_its_readiness_answer_does_not_hold_the_start_past_its_timeout(tmp_path):
+    """A byte every 50 ms (each read in time; the whole answer ~10 s) against a 1 s startup timeout: the wait
+    gives up at its deadline with the one-line error; an engine that answers is ready at once."""
+    with ModelsEngine(MODEL_LIST, drip_s=0.05) as dripping:
+        engine = policy_backend.Engine("unused {port}", str(tmp_path), port=dripping.port, startup_timeout_s=1.0)
+        with pytest.raises(policy_backend.PolicyBackendError, match="within 1 s .policy.openai.startup_timeout_s"):
+            engine.wait_ready()
+    with ModelsEngine(MODEL_LIST) as honest:
+        policy_backend.Engine("unused {port}", str(tmp_path), port=honest.port, startup_timeout_s=30).wait_ready()
+
+
+@pytest.mark.parametrize("attack", ["drip", "huge"])
+def test_the_model_listing_is_under_the_request_deadline_and_size_cap(demo_tokenizer, attack):
+    """policy.openai.model='' reads the served name from GET /models: a dripped list is cut at timeout_s, a
+    3 MiB one at the 1 MiB cap, each with a one-line error naming it; an honest list gives the name."""
+    from sweet_jax import http_bounds
+    huge = json.dumps({"data": [{"id": "served-policy", "pad": " " * (3 * http_bounds.MiB)}]}).encode()
+    body, drip_s, named = {"drip": (MODEL_LIST, 0.05, "deadline of 1 s"),
+                           "huge": (huge, 0.0, "more than the 1048576")}[attack]
+    with ModelsEngine(body, drip_s=drip_s) as engine:
+        with pytest.raises(policy_backend.PolicyBackendError, match=f"GET /models answered no model name.*{named}"):
+            policy_backend.OpenAISampler([engine.url], demo_tokenizer, model="", timeout_s=1.0, vocab_size=VOCAB)
+    with ModelsEngine(MODEL_LIST) as honest:
+        sampler = policy_backend.OpenAISampler([honest.url], demo_tokenizer, model="", timeout_s=1.0,
+                                               vocab_size=VOCAB)
+        assert sampler.model_name == "served-policy"

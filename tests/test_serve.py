@@ -242,7 +242,7 @@ def test_a_burst_goes_to_the_sampler_in_one_call_up_to_max_call_rows():
         def __init__(self):
             self.calls = []
 
-        def generate_requests(self, requests, on_batch=None):
+        def generate_requests(self, requests, on_batch=None, **streaming):
             self.calls.append([r.prompt_ids[0] for r in requests])
             return [[f"samples of {r.prompt_ids}"] for r in requests]
 
@@ -266,7 +266,7 @@ def test_requests_are_answered_as_their_compiled_batch_finishes():
     first_done, release = threading.Event(), threading.Event()
 
     class TwoBatches:
-        def generate_requests(self, requests, on_batch=None):
+        def generate_requests(self, requests, on_batch=None, **streaming):
             on_batch([0, 1], [[f"samples of {r.prompt_ids}"] for r in requests[:2]])
             first_done.set()
             assert release.wait(30)
@@ -288,7 +288,7 @@ def test_requests_are_answered_as_their_compiled_batch_finishes():
 def test_a_batch_that_fails_is_rerun_request_by_request():
     """Whatever slips past validation and fails inside the sampler fails only its own request."""
     class FlakySampler:
-        def generate_requests(self, requests, on_batch=None):
+        def generate_requests(self, requests, on_batch=None, **streaming):
             if any(r.prompt_ids == [666] for r in requests):
                 raise RuntimeError("boom")
             return [[f"samples of {r.prompt_ids}"] for r in requests]
@@ -406,15 +406,6 @@ def test_completions_stream_each_choice_with_its_token_logprobs(client, server):
     assert all(c.usage is None for c in chunks)   # no include_usage: no usage chunk
 
 
-def test_stream_deltas_always_join_to_the_reply():
-    from sweet_jax.sampling.server import text_deltas
-
-    assert text_deltas("ab c", ["a", "b", " c"]) == [("a", 0), ("b", 1), (" c", 2)]
-    # A stop string cut the reply inside a token, and the stop token decodes to nothing of the text.
-    assert text_deltas("ab", ["a", "bc", "<|eot_id|>"]) == [("a", 0), ("b", -1)]
-    assert text_deltas("", ["<|eot_id|>"]) == []
-
-
 def test_warmup_compiles_the_shapes_a_first_request_would_otherwise_wait_for(hf_dir):
     import transformers
 
@@ -431,3 +422,267 @@ def test_warmup_compiles_the_shapes_a_first_request_would_otherwise_wait_for(hf_
         assert compiled() == before
     finally:
         app.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming as the decode loop runs; top log-probs
+# ----------------------------------------------------------------------------------------------------------
+
+class RecordingSampler:
+    """The server's sampler, recording each generate call's end and what it returned."""
+
+    def __init__(self, sampler):
+        self._sampler = sampler
+        self.calls = []   # (end time, requests, results)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+    def generate_requests(self, requests, **kwargs):
+        results = self._sampler.generate_requests(requests, **kwargs)
+        self.calls.append((time.monotonic(), requests, results))
+        return results
+
+
+@pytest.fixture(scope="module")
+def recorded(server):
+    """(server over a RecordingSampler, the recorder, a prompt whose greedy reply runs to max_tokens=400)."""
+    sampler = server.app.sampler
+    prompt = next(p for p in ("The sum of two", "def add(a, b):", "hello there", "x = 1") if
+                  sampler.generate([p], max_new_tokens=400, temperature=0.0)[0][0].finish_reason == "length")
+    recorder = RecordingSampler(sampler)
+    with start_server(recorder, port=0, model_name="tiny", max_connections=64) as srv:
+        yield srv, recorder, prompt
+
+
+def _stream_lines(server, body):
+    """Yields (arrival time, parsed event or '[DONE]') of a streamed completion as they arrive."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    try:
+        while line := response.readline():
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                yield time.monotonic(), "[DONE]" if data == b"[DONE]" else json.loads(data)
+    finally:
+        conn.close()
+
+
+def test_a_stream_sends_its_first_tokens_while_the_batch_still_decodes(recorded):
+    """The first token arrives before the batch's generate call returns; the deltas join to the non-streamed
+    reply and carry its tokens' log-probs, in order."""
+    srv, recorder, prompt = recorded
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0, "logprobs": 0}
+    whole = _post(srv, "/v1/completions", body)[1]["choices"][0]
+    recorder.calls.clear()
+    events = list(_stream_lines(srv, body))
+    call_end = _wait_for(lambda: recorder.calls)[-1][0]
+    deltas = [(t, e) for t, e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["text"]]
+    assert deltas[0][0] < call_end   # the first token came while the decode loop ran
+    assert len({t for t, _ in deltas}) > 3   # in several pieces, not one burst
+    assert "".join(e["choices"][0]["text"] for _, e in deltas) == whole["text"]
+    streamed = [lp for _, e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]
+                for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]
+    assert events[-2][1]["choices"][0]["finish_reason"] == "length" and events[-1][1] == "[DONE]"
+
+
+def test_a_request_that_comes_while_a_batch_decodes_is_answered_before_it_ends(recorded):
+    """Both in the short lane: the second starts its own call instead of waiting for the running one."""
+    srv, recorder, prompt = recorded
+    long_body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0, "n": 8}
+    short_body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    assert _post(srv, "/v1/completions", long_body)[0] == 200 and _post(srv, "/v1/completions", short_body)[0] == 200
+    stream = _stream_lines(srv, long_body)   # (both shapes are compiled now)
+    next(e for _, e in stream if e["choices"] and e["choices"][0]["text"])   # the long batch is decoding
+    status, short = _post(srv, "/v1/completions", short_body)
+    short_done = time.monotonic()
+    rest = list(stream)
+    assert status == 200 and short["choices"][0]["finish_reason"] in ("stop", "length")
+    assert rest[-2][1]["choices"][0]["finish_reason"] == "length"
+    assert short_done < rest[-2][0]
+
+
+def _wait_for(condition, tries: int = 600):
+    for _ in range(tries):
+        if value := condition():
+            return value
+        time.sleep(0.1)
+    raise AssertionError("the condition never held")
+
+
+def test_completions_top_logprobs_are_the_top_n_and_the_sampled_token(client, server):
+    """logprobs=2 answers each token's two most likely tokens (and the sampled one, as OpenAI): never null."""
+    sampler = server.app.sampler
+    r = client.completions.create(model="tiny", prompt="The sum", max_tokens=5, temperature=1.0, seed=4, logprobs=2)
+    choice = r.choices[0]
+    expected = sampler.generate_requests([Request(sampler.encode("The sum"), SamplingParams(
+        max_new_tokens=5, temperature=1.0, seed=4, top_logprobs=2))])[0][0]
+    assert len(choice.logprobs.top_logprobs) == len(expected.token_ids)
+    for token, lp, top, want in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                    choice.logprobs.top_logprobs, expected.top_logprobs):
+        names = sampler.token_texts([i for i, _ in want])
+        assert {k: v for k, v in top.items() if k in names} == pytest.approx(dict(zip(names, [v for _, v in want])))
+        assert top[token] == pytest.approx(lp) and 2 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(want[0][1])
+    zero = client.completions.create(model="tiny", prompt="The sum", max_tokens=3, temperature=0, logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs == [{t: lp} for t, lp in zip(zero.choices[0].logprobs.tokens,
+                                                                             zero.choices[0].logprobs.token_logprobs)]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One heavy client, many slow ones
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bounded_server(server):
+    with start_server(server.app.sampler, port=0, model_name="tiny", read_timeout_s=READ_TIMEOUT_S,
+                      max_connections=4, max_request_samples=16, max_request_new_tokens=1000) as srv:
+        yield srv
+
+
+HONEST = {"model": "tiny", "prompt": "The sum", "max_tokens": 3, "temperature": 0}
+
+
+def test_the_work_of_one_request_is_bounded_with_a_400_naming_the_limit(server, bounded_server):
+    status, body = _post(server, "/v1/completions", {**HONEST, "prompt": [[5, 6]] * 100_000})
+    assert status == 400 and body["error"]["param"] == "prompt" and "1024" in body["error"]["message"]
+    for ask, param, limit in ((dict(prompt=["a"] * 5, n=4), "n", "16"),
+                              (dict(prompt=["a"] * 4, n=4, max_tokens=100), "max_tokens", "1000")):
+        status, body = _post(bounded_server, "/v1/completions", {**HONEST, **ask})
+        assert status == 400 and body["error"]["param"] == param and limit in body["error"]["message"], body
+    assert _post(bounded_server, "/v1/completions", {**HONEST, "prompt": ["a"] * 4, "n": 4})[0] == 200
+    assert _post(server, "/v1/completions", HONEST)[0] == 200
+
+
+def _cancelled_calls(recorder):
+    return [samples for _, requests, results in recorder.calls for samples in results
+            if samples and samples[0].finish_reason == "cancelled"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_cancels_its_work(recorded, stream):
+    srv, recorder, prompt = recorded
+    recorder.calls.clear()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0, "n": 64, "stream": stream}
+    with socket.create_connection((srv.host, srv.port), timeout=60) as sock:
+        data = json.dumps(body).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        if stream:
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        else:
+            time.sleep(0.3)   # the request is queued or decoding
+    _wait_for(lambda: recorder.calls)   # the engine notices at its next chunk
+    cancelled = _cancelled_calls(recorder)
+    assert cancelled and all(len(s.token_ids) < 400 for s in cancelled[0])
+    assert _post(srv, "/v1/completions", HONEST)[0] == 200
+
+
+def test_a_head_trickled_line_by_line_is_cut_at_one_deadline(bounded_server):
+    """A header line every 0.6 x the read timeout: each read is in time, the head is not (408)."""
+    with socket.create_connection((bounded_server.host, bounded_server.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        reply = b""
+        try:
+            for i in range(6):
+                time.sleep(0.6 * READ_TIMEOUT_S)
+                sock.sendall(b"X-Slow-%d: 1\r\n" % i)
+            sock.sendall(b"\r\n")
+        except OSError:   # the server has closed
+            pass
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "timeout"
+    assert _post(bounded_server, "/v1/models", None, method="GET")[0] == 200
+
+
+def test_connections_over_the_cap_are_refused_not_spun_on(bounded_server):
+    idle = [socket.create_connection((bounded_server.host, bounded_server.port), timeout=30) for _ in range(4)]
+    try:
+        time.sleep(0.2)   # all four accepted
+        reply = _raw_exchange(bounded_server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+        assert "4 connections" in json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    finally:
+        for sock in idle:
+            sock.close()
+    for _ in range(300):   # the closed connections' slots come back
+        if _post(bounded_server, "/v1/models", None, method="GET")[0] == 200:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("no connection was accepted after the idle ones closed")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 1' + b"0" * 400 + b"}",
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "top_p": 1' + b"0" * 400 + b"}",
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "presence_penalty": 1' + b"0" * 400 + b"}",
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+    b'{"model": "tiny", "prompt": [1' + b"0" * 30 + b"], \"max_tokens\": 2}",
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "seed": -1' + b"0" * 30 + b"}",
+])
+def test_a_number_past_a_machine_integer_is_a_400(server, raw):
+    status, body = _post(server, "/v1/completions", None, raw=raw)
+    assert status == 400, body
+    assert _post(server, "/v1/completions", HONEST)[0] == 200
+
+
+def test_a_streamed_choice_sends_only_text_no_later_token_can_change():
+    """A character split over two tokens waits for its second token; the last characters that could begin a stop
+    string wait; the final sample brings the rest. The deltas join to the final text and carry each token once."""
+    from sweet_jax.sampling.base import Sample
+    from sweet_jax.sampling.server import StreamedChoice
+
+    texts = {1: "He", 2: "llo", 3: " wor", 4: "ld", 9: "\ufffd", 10: "\ufffd"}
+
+    class Pieces:  # token 9 then 10 spell one character, "€"; alone, 9 is incomplete
+        def decode(self, ids):
+            out, ids = [], list(ids)
+            for k, t in enumerate(ids):
+                if t == 10 and k and ids[k - 1] == 9:
+                    continue
+                out.append("€" if t == 9 and ids[k + 1:k + 2] == [10] else texts[t])
+            return "".join(out)
+
+        def token_texts(self, ids):
+            return [texts[t] for t in ids]
+
+    choice, sampler = StreamedChoice(stop=("ld",)), Pieces()
+
+    def partial(ids):
+        return choice.advance(sampler, Sample(None, ids, [0.0] * len(ids), None), final=False)
+    assert partial([1, 2]) == [("He", [0])]              # "Hello": its last character could begin "ld"
+    assert partial([1, 2, 9]) == [("llo", [1])]          # the euro sign is incomplete
+    assert partial([1, 2, 9, 10, 3]) == [("€", [2, 3])]  # " wor" could end in "l" + "d"
+    final = Sample("Hello€ wor", [1, 2, 9, 10, 3, 4], [0.0] * 6, "stop")
+    assert choice.advance(sampler, final, final=True) == [(" wor", [4, 5])]
+    assert choice.text == final.text and choice.offsets == [0, 2, 5, 6, 7, 11]
+
+
+def test_a_stream_with_stop_strings_joins_to_the_cut_reply(recorded):
+    """Streamed while the decode loop runs, a reply cut by a stop string sends nothing past the cut."""
+    srv, _, _ = recorded
+    body = {"model": "tiny", "prompt": "The sum of two", "max_tokens": 120, "temperature": 1.0, "seed": 8, "n": 4,
+            "stop": ["e ", "th"], "logprobs": 1}
+    whole = _post(srv, "/v1/completions", body)[1]["choices"]
+    assert any(c["finish_reason"] == "stop" for c in whole)
+    events = [e for _, e in _stream_lines(srv, body) if e != "[DONE]"]
+    for choice in whole:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
+        assert [lp for c in mine if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]] == \
+            choice["logprobs"]["token_logprobs"]

@@ -30,8 +30,10 @@ class Sample:
     text: str | None
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # 'stop' (stop token or stop string) | 'length' (max_new_tokens)
+    finish_reason: str  # 'stop' (stop token or stop string) | 'length' (max_new_tokens) | 'cancelled'
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
+    # Per token, the top alternatives [(token id, log-prob)] best first, when asked (SamplingParams.top_logprobs).
+    top_logprobs: list[list[tuple[int, float]]] | None = dataclasses.field(default=None, repr=False)
 
 
 def mix_seed(seed: int, index: int) -> int:

@@ -85,6 +85,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # added to the model's end-of-sequence ids
     ignore_eos: bool = False              # do not stop on the model's end-of-sequence ids (benchmarks)
     seed: int | None = None               # None: drawn from the sampler's own seeded stream
+    top_logprobs: int = 0                 # per token, also the top N alternatives' log-probs (Sample.top_logprobs)
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -99,6 +100,11 @@ class SamplingParams:
             raise GenerateError(f"n (samples per prompt) must be >= 1, got {self.n}.")
         if any(not s for s in self.stop):
             raise GenerateError(f"stop strings must be non-empty, got {list(self.stop)!r}.")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerateError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}.")
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API; a decode program that reports them keeps this many per token
 
 
 @dataclasses.dataclass
@@ -173,11 +179,23 @@ def first_argmax(x_NV: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x_NV == max_N1, index_NV, V), axis=-1), V - 1)  # all-NaN row: V - 1
 
 
+def _logsumexp(logits_NV: jax.Array) -> jax.Array:
+    max_N = jax.lax.stop_gradient(jnp.max(logits_NV, axis=-1))
+    return max_N + jnp.log(jnp.sum(jnp.exp(logits_NV - max_N[:, None]), axis=-1))
+
+
 def token_logprob(logits_NV: jax.Array, token_N: jax.Array) -> jax.Array:
     """log_softmax(logits)[token] without materialising the [N, V] log-softmax."""
-    max_N = jax.lax.stop_gradient(jnp.max(logits_NV, axis=-1))
-    lse_N = max_N + jnp.log(jnp.sum(jnp.exp(logits_NV - max_N[:, None]), axis=-1))
-    return jnp.take_along_axis(logits_NV, token_N[:, None], axis=-1)[:, 0] - lse_N
+    return jnp.take_along_axis(logits_NV, token_N[:, None], axis=-1)[:, 0] - _logsumexp(logits_NV)
+
+
+def top_logprobs(logits_NV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of each row and their log_softmax(logits): ids [N, k], log-probs [N, k]."""
+    if k == 1:  # the policy engine's logprobs=1: a max reduction, no top-k over the vocabulary
+        ids_NK, values_NK = first_argmax(logits_NV)[:, None], jnp.max(logits_NV, axis=-1, keepdims=True)
+        return ids_NK, values_NK - _logsumexp(logits_NV)[:, None]
+    values_NK, ids_NK = jax.lax.top_k(logits_NV, k)
+    return ids_NK.astype(jnp.int32), values_NK - _logsumexp(logits_NV)[:, None]
 
 
 def sample_tokens(logits_NV: jax.Array, keys_N2: jax.Array, temperature_N: jax.Array, top_p_N: jax.Array,
@@ -341,12 +359,12 @@ def _grow_cache(cache, *, width: int, mesh):
 
 @_sampler_matmuls
 def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_width: int, width: int, pad_id: int,
-            mesh):
+            mesh, top_n: int = 0):
     """Run the decode loop from carry['step'] until step_limit or until every row is done, attending over the
     first `width` cache slots (the caller keeps prompt_width + step_limit <= width).
 
     carry: cache (heads-major, `width` slots), logits [N,V], step (), done [N], stopped [N],
-           length [N], tokens [N,T], logprobs [N,T]
+           length [N], tokens [N,T], logprobs [N,T]; with top_n > 0 also top_ids [N,T,top_n], top_logprobs [N,T,top_n]
     rows:  prompt_len [N], cache_mask [N,L], temperature [N], top_p [N], top_k [N], max_new [N],
            stop_ids [N,S] (-1 = unused), keys [N,2]
     unembed_parts: the unembedding's column blocks (_split_unembedding)
@@ -370,11 +388,16 @@ def _decode(graphdef, state, carry, rows, step_limit, unembed_parts, *, prompt_w
         length_N = jnp.where(live_N, step + 1, c["length"])
         done_N = c["done"] | hit_stop_N | (step + 1 >= rows["max_new"])
         positions_N1 = (rows["prompt_len"] + step)[:, None]
+        extra = {}
+        if top_n:
+            top_ids_NK, top_lp_NK = top_logprobs(c["logits"], top_n)
+            extra = dict(top_ids=c["top_ids"].at[:, step].set(top_ids_NK),
+                         top_logprobs=c["top_logprobs"].at[:, step].set(top_lp_NK))
         hidden_N1D, cache = model.hidden_states(token_N[:, None], cache_mask_NW, positions_N1,
                                                 cache=c["cache"], cache_pos=prompt_width + step)
         return dict(cache=_constrain_batch(cache, mesh, token_N.shape[0]), logits=_last_logits(model, hidden_N1D, unembed_parts),
                     step=step + 1, done=done_N, stopped=c["stopped"] | hit_stop_N, length=length_N,
-                    tokens=tokens, logprobs=logprobs)
+                    tokens=tokens, logprobs=logprobs, **extra)
 
     return jax.lax.while_loop(cond, body, carry)
 
@@ -418,7 +441,7 @@ class Sampler(BaseSampler):
             self._default_eos_ids()
         self.pad_id = self._pad_id()
         self._prefill_fns: dict[tuple[int, int], Any] = {}
-        self._decode_fns: dict[tuple[int, int], Any] = {}
+        self._decode_fns: dict[tuple[int, int, int], Any] = {}
         self._grow_fns: dict[int, Any] = {}
         self._unembed_fn = jax.jit(functools.partial(_split_unembedding, mesh=mesh))
 
@@ -560,11 +583,19 @@ class Sampler(BaseSampler):
         return [cache[t] for t in ids]
 
     def generate_requests(self, requests: Sequence[Request], *, progress: bool = False,
-                          on_batch: Callable[[list[int], list[list[Sample]]], None] | None = None
+                          on_batch: Callable[[list[int], list[list[Sample]]], None] | None = None,
+                          on_chunk: Callable[[list[int], list[list[Sample]]], None] | None = None,
+                          chunk_steps: int = 32, cancelled: Callable[[int], bool] | None = None
                           ) -> list[list[Sample]]:
         """Sample every request with its own settings; batches of <= max_batch_size sample rows.
         `on_batch(indices, samples)` is called as each compiled batch finishes (a server answers those
-        requests while the next batch runs)."""
+        requests while the next batch runs).
+
+        Streaming: with `on_chunk`, the decode loop stops after 1, 2, 4, ... then every `chunk_steps` steps and
+        `on_chunk(indices, partial)` gets each request's samples so far (text None, finish_reason None until the
+        row is done); the tokens and log-probs are those of the unchunked loop (the same compiled step, run in
+        pieces). `cancelled(i)`, asked before request i's batch starts and at each of those stops, drops a
+        request whose answer nobody waits for any more (its rows stop; its samples end with 'cancelled')."""
         for r in requests:
             self.check_request(r)
         results: list[list[Sample] | None] = [None] * len(requests)
@@ -583,7 +614,16 @@ class Sampler(BaseSampler):
         if progress:
             bar = tqdm(total=len(requests), desc="generate", unit="prompt")
         for group in groups:
-            batch = self._generate_batch([requests[i] for i in group])
+            if cancelled is not None:
+                for i in [i for i in group if cancelled(i)]:
+                    results[i] = []
+                group = [i for i in group if results[i] is None]
+                if not group:
+                    continue
+            report = None if on_chunk is None else functools.partial(on_chunk, group)
+            gone = None if cancelled is None else (lambda j, group=group: cancelled(group[j]))
+            batch = self._generate_batch([requests[i] for i in group], chunk_steps=chunk_steps, on_chunk=report,
+                                         cancelled=gone)
             for i, samples in zip(group, batch):
                 results[i] = samples
             if on_batch is not None:
@@ -596,7 +636,9 @@ class Sampler(BaseSampler):
 
     # -- one compiled batch ----------------------------------------------------------------------------
 
-    def _generate_batch(self, requests: Sequence[Request]) -> list[list[Sample]]:
+    def _generate_batch(self, requests: Sequence[Request], *, chunk_steps: int = 32,
+                        on_chunk: Callable[[list[list[Sample]]], None] | None = None,
+                        cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
         B = bucket_rows(len(requests), self._batch_shards)
         S = shared_prefix_length([r.prompt_ids for r in requests], self.min_shared_prefix)
         W = bucket_length(max(len(r.prompt_ids) for r in requests) - S)
@@ -653,57 +695,98 @@ class Sampler(BaseSampler):
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
                     keys=put(keys))
-        carry = dict(cache=cache, logits=logits, step=jnp.int32(0), done=put(np.zeros(N, bool)),
+        carry = dict(cache=cache, logits=logits, step=put(np.int32(0), replicated=True), done=put(np.zeros(N, bool)),
                      stopped=put(np.zeros(N, bool)), length=put(np.zeros(N, np.int32)),
                      tokens=put(np.full((N, T), self.pad_id, np.int32)), logprobs=put(np.zeros((N, T), np.float32)))
+        # Top alternatives cost a top-k over the vocabulary a step: only a batch that asks for them runs a
+        # program that keeps them (the most any of its requests asks for; each is cut to its own on the host).
+        top_n = max(r.params.top_logprobs for r in requests)
+        if top_n:
+            carry.update(top_ids=put(np.zeros((N, T, top_n), np.int32)),
+                         top_logprobs=put(np.zeros((N, T, top_n), np.float32)))
+
+        def samples_of(fields, final: bool) -> list[list[Sample]]:
+            tokens, logprobs, length, stopped, done = (fields[k] for k in ("tokens", "logprobs", "length",
+                                                                           "stopped", "done"))
+            out: list[list[Sample]] = [[None] * r.params.n for r in requests]  # type: ignore[misc]
+            for row, (j, i) in enumerate(owner):
+                kept = int(length[row])
+                text, reason = None, None
+                if row in string_stop_at:
+                    kept, text = string_stop_at[row]
+                    reason = "stop"
+                elif row in cancelled_rows:
+                    reason = "cancelled"
+                elif stopped[row] or done[row] or final:
+                    reason = "stop" if stopped[row] else "length"
+                ids = tokens[row, :kept].tolist()
+                if final and text is None:
+                    text = self.decode(ids[:-1] if stopped[row] else ids)
+                top = None
+                if top_n and requests[j].params.top_logprobs:
+                    k = requests[j].params.top_logprobs
+                    top = [list(zip(a[:k].tolist(), b[:k].tolist()))
+                           for a, b in zip(fields["top_ids"][row, :kept], fields["top_logprobs"][row, :kept])]
+                out[j][i] = Sample(text=text, token_ids=ids, logprobs=logprobs[row, :kept].tolist(),
+                                   finish_reason=reason,
+                                   prompt_token_ids=list(requests[j].prompt_ids), top_logprobs=top)
+            return out
+
+        def fetch(names):
+            return dict(zip(names, jax.device_get(tuple(carry[k] for k in names))))
 
         has_stop_strings = any(r.params.stop for r in requests) and self.tokenizer is not None
         chunk = self.stop_check_every if has_stop_strings else max_new
+        # A stream's first tokens come after 1, 2, 4, ... steps; only looking for cancelled requests, every
+        # chunk_steps steps (and only the done flags cross to the host).
+        reports = on_chunk is not None or cancelled is not None
         string_stop_at: dict[int, tuple[int, str]] = {}  # row -> (tokens kept, text)
-        step, checked = 0, 0
+        cancelled_rows: set[int] = set()
+        step, checked, report_at = 0, 0, 1 if on_chunk is not None else chunk_steps
+        outputs = ["tokens", "logprobs", "length", "stopped", "done"] + (["top_ids", "top_logprobs"] if top_n else [])
         while step < max_new:
-            # The window holding this step's slot (P + step); its loop stops at the window's end or the next
-            # stop-string check. Without stop strings the windows run back to back with no host sync: a window
-            # whose rows are all done exits at once.
+            # The window holding this step's slot (P + step); its loop stops at the window's end, the next
+            # stop-string check or the next report. Otherwise the windows run back to back with no host sync: a
+            # window whose rows are all done exits at once.
             width = next(w for w in windows if P + step < w)
-            step = min(width - P, checked + chunk, max_new)
+            step = min(width - P, checked + chunk, max_new, report_at if reports else max_new)
             if _cache_width(carry["cache"]) < width:
                 carry["cache"] = self._grow_fn(width)(carry["cache"])
-            carry = self._decode_fn(P, width)(graphdef, state, carry, rows, jnp.int32(step), unembed_parts)
-            if not has_stop_strings or step < min(checked + chunk, max_new):
+            carry = self._decode_fn(P, width, top_n)(graphdef, state, carry, rows, jnp.int32(step), unembed_parts)
+            check_stops = has_stop_strings and step >= min(checked + chunk, max_new)
+            report = reports and step >= min(report_at, max_new)
+            if not check_stops and not report:
                 continue
-            checked = step
-            done, tokens, length = jax.device_get((carry["done"], carry["tokens"], carry["length"]))
+            fields = fetch(outputs if check_stops or on_chunk is not None else ["done"])
+            done = fields["done"]
             newly_done = np.zeros(N, bool)
-            for row, (j, _) in enumerate(owner):
-                if row in string_stop_at or not requests[j].params.stop:
-                    continue
-                hit = self._find_stop_string(tokens[row, :length[row]], requests[j].params.stop)
-                if hit is not None:
-                    string_stop_at[row] = hit
-                    newly_done[row] = not done[row]
+            if check_stops:
+                checked = step
+                for row, (j, _) in enumerate(owner):
+                    if row in string_stop_at or not requests[j].params.stop:
+                        continue
+                    hit = self._find_stop_string(fields["tokens"][row, :fields["length"][row]],
+                                                 requests[j].params.stop)
+                    if hit is not None:
+                        string_stop_at[row] = hit
+                        newly_done[row] = not done[row]
+            if report:
+                report_at = step + (min(max(step, 1), chunk_steps) if on_chunk is not None else chunk_steps)
+                if on_chunk is not None and step < max_new:
+                    on_chunk(samples_of(fields, final=False))
+                if cancelled is not None:
+                    for row, (j, _) in enumerate(owner):
+                        if not done[row] and not newly_done[row] and cancelled(j):
+                            cancelled_rows.add(row)
+                            newly_done[row] = True
             if newly_done.any():
                 carry["done"] = carry["done"] | put(newly_done)
             if bool(np.all(done | newly_done)):
                 break
-
-        tokens, logprobs, length, stopped = jax.device_get(
-            (carry["tokens"], carry["logprobs"], carry["length"], carry["stopped"]))
+        final = fetch(outputs + ["step"])
         costs.add("sample_decode_s", time.perf_counter() - decode_start)
-        costs.tokens("sample_new", int(length[:len(owner)].sum()), N * int(jax.device_get(carry["step"])))
-        out: list[list[Sample]] = [[None] * r.params.n for r in requests]  # type: ignore[misc]
-        for row, (j, i) in enumerate(owner):
-            ids = tokens[row, :length[row]].tolist()
-            lps = logprobs[row, :length[row]].tolist()
-            if row in string_stop_at:
-                kept, text = string_stop_at[row]
-                ids, lps, reason = ids[:kept], lps[:kept], "stop"
-            else:
-                reason = "stop" if stopped[row] else "length"
-                text = self.decode(ids[:-1] if stopped[row] else ids)
-            out[j][i] = Sample(text=text, token_ids=ids, logprobs=lps, finish_reason=reason,
-                               prompt_token_ids=list(requests[j].prompt_ids))
-        return out
+        costs.tokens("sample_new", int(final["length"][:len(owner)].sum()), N * int(final["step"]))
+        return samples_of(final, final=True)
 
     def _find_stop_string(self, token_ids: np.ndarray, stops: Sequence[str]) -> tuple[int, str] | None:
         """(tokens up to and including the one completing the earliest stop string, text cut before it)."""
@@ -736,18 +819,20 @@ class Sampler(BaseSampler):
             self._grow_fns[width] = jax.jit(functools.partial(_grow_cache, width=width, mesh=self.mesh))
         return self._grow_fns[width]
 
-    def _decode_fn(self, prompt_width: int, width: int):
-        if (prompt_width, width) not in self._decode_fns:
-            self._decode_fns[prompt_width, width] = jax.jit(
+    def _decode_fn(self, prompt_width: int, width: int, top_n: int = 0):
+        if (prompt_width, width, top_n) not in self._decode_fns:
+            self._decode_fns[prompt_width, width, top_n] = jax.jit(
                 functools.partial(_decode, prompt_width=prompt_width, width=width, pad_id=self.pad_id,
-                                  mesh=self.mesh),
+                                  mesh=self.mesh, top_n=top_n),
                 donate_argnums=(2,))
-        return self._decode_fns[prompt_width, width]
+        return self._decode_fns[prompt_width, width, top_n]
 
     def _put(self, x: np.ndarray, *, replicated: bool = False) -> jax.Array:
-        """x on the mesh: rows over the batch axes, or (replicated) whole on every device."""
+        """x on the mesh: rows over the batch axes, or (replicated) whole on every device. Without a mesh, placed
+        on the device: a decode loop run in chunks gets its own (placed) outputs back, and a placed array is
+        another signature to jit than an unplaced one (a second compile of every decode program)."""
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x, jax.local_devices()[0])
         sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if replicated else \
             batch_sharding(self.mesh, x.ndim)
         return jax.device_put(x, sharding)

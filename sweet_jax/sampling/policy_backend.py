@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import logging
 import math
@@ -45,6 +46,7 @@ import sys
 import threading
 import time
 import types
+import urllib.parse
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -85,6 +87,56 @@ def check_backend(backend: str, field: str) -> None:
 # ==========================================================================================================
 # An engine started from a command template
 # ==========================================================================================================
+
+MODELS_MAX_BYTES = http_bounds.MiB  # GET /models: an honest list of served models is a few KiB
+READY_PROBE_S = 10.0                 # one readiness probe's deadline (within the startup timeout)
+
+
+def get_models(url: str, *, deadline: float, timeout_s: float, manager=None, read: bool = True
+               ) -> tuple[int, bytes]:
+    """(status, body) of GET url/models, the whole exchange (connection, headers, body) under one deadline
+    (time.monotonic()) and the body under MODELS_MAX_BYTES: an engine that drips its answer, headers included,
+    or sends a huge list, ends in http_bounds.AnswerBoundError. read=False: the status only (a readiness probe).
+
+    A plain http:// endpoint is reached directly, so that the watchdog holds the socket from the start (urllib3
+    hands it over only once the headers have come); https or a proxy go through `manager` (urllib3), bounded
+    from the headers on."""
+    target = f"{url}/models"
+    parts = urllib.parse.urlsplit(target)
+    left = max(0.001, deadline - time.monotonic())
+    late = http_bounds.AnswerBoundError(f"{target}: no complete answer within the request's deadline of "
+                                        f"{timeout_s:g} s")
+    if manager is not None and (parts.scheme != "http" or isinstance(manager, urllib3.ProxyManager)):
+        r = manager.request("GET", target, preload_content=False, timeout=urllib3.Timeout(total=left))
+        try:
+            with http_bounds.watchdog(r.shutdown, deadline):
+                body = http_bounds.read_body(r.stream(65536), deadline=deadline, max_bytes=MODELS_MAX_BYTES,
+                                             timeout_s=timeout_s, where=target,
+                                             content_length=r.headers.get("content-length")) if read else b""
+        finally:
+            r.close()  # a body not read to its end leaves the connection unusable
+        if time.monotonic() >= deadline:
+            raise late
+        return r.status, body
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=left)
+    try:
+        conn.connect()
+        with http_bounds.watchdog(http_bounds.socket_stopper(conn.sock), deadline):
+            conn.request("GET", parts.path, headers=dict(getattr(manager, "headers", None) or {}))
+            r = conn.getresponse()
+            body = http_bounds.read_body(iter(lambda: r.read1(65536), b""), deadline=deadline,
+                                         max_bytes=MODELS_MAX_BYTES, timeout_s=timeout_s, where=target,
+                                         content_length=r.getheader("content-length")) if read else b""
+    except (OSError, http.client.HTTPException):
+        if time.monotonic() >= deadline:  # the watchdog cut it
+            raise late from None
+        raise
+    finally:
+        conn.close()
+    if time.monotonic() >= deadline:  # a body the watchdog ended early is not an answer
+        raise late
+    return r.status, body
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -128,18 +180,22 @@ class Engine:
         return self
 
     def wait_ready(self) -> None:
+        """Until GET /models answers 200 (its status is enough; the list is not read), each probe and the whole
+        wait under startup_timeout_s: an engine that answers slowly, or drips its answer, does not hold it."""
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise PolicyBackendError(f"the policy engine exited with status {self.process.returncode} before "
                                          f"it served {self.url} ({self.command}){self._log_hint()}")
             try:
-                if requests.get(f"{self.url}/models", timeout=5).status_code == 200:
+                status, _ = get_models(self.url, deadline=min(deadline, time.monotonic() + READY_PROBE_S),
+                                       timeout_s=READY_PROBE_S, read=False)
+                if status == 200:
                     log.info("the policy engine serves %s", self.url)
                     return
-            except requests.RequestException:
+            except (OSError, http.client.HTTPException, http_bounds.AnswerBoundError):
                 pass
-            time.sleep(0.5)
+            time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
         self.stop()
         raise PolicyBackendError(f"the policy engine did not answer GET {self.url}/models within "
                                  f"{self.startup_timeout_s:g} s (policy.openai.startup_timeout_s){self._log_hint()}")
@@ -274,16 +330,20 @@ class OpenAISampler(BaseSampler):
     def _first_model(self) -> str:
         errors = []
         for url in self.base_urls:
-            try:
-                r = self._connections(url).request("GET", f"{url}/models", timeout=30.0)
-                if r.status != 200:
-                    errors.append(f"{url}: HTTP {r.status}: {r.data[:200].decode('utf-8', 'replace')}")
+            try:  # under the request deadline (timeout_s) and the list's size cap, as every request to an engine
+                status, raw = get_models(url, deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
+                                         manager=self._connections(url))
+                if status != 200:
+                    errors.append(f"{url}: HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
                     continue
-                models = [m["id"] for m in json.loads(r.data).get("data", [])]
+                models = [m["id"] for m in json.loads(raw).get("data", [])]
                 if models:
                     return models[0]
                 errors.append(f"{url}: no model listed")
-            except (urllib3.exceptions.HTTPError, ValueError, KeyError, TypeError) as e:
+            except http_bounds.AnswerBoundError as e:
+                errors.append(str(e))
+            except (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException, ValueError, KeyError,
+                    TypeError, AttributeError) as e:
                 errors.append(f"{url}: {type(e).__name__}: {e}")
         raise PolicyBackendError(f"policy.openai.model is '' and GET /models answered no model name "
                                  f"({'; '.join(errors)}); set policy.openai.model to the served model name")
