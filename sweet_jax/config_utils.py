@@ -505,7 +505,8 @@ def check_inputs(config: ml_collections.ConfigDict, fields) -> None:
             continue
         if not os.path.exists(os.path.expanduser(value)):
             where = "" if os.path.isabs(value) else f" (relative to {os.getcwd()})"
-            raise SweetJaxError(f"config.{field}={value!r}: no such file or directory{where}")
+            raise SweetJaxError(f"config.{field}={value!r}: no such file or directory{where}; give an existing path "
+                                f"with --config.{field}=PATH")
 
 
 def config_get(config, dotted: str):

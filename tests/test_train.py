@@ -137,12 +137,19 @@ def test_an_accepted_config_change_is_recorded_with_its_time(tmp_path):
 
 @pytest.mark.slow
 def test_a_start_that_failed_before_step_0_does_not_block_its_fixed_rerun(data, tmp_path):
-    """A wrong trajectories path fails before any step is saved; the rerun with the right path trains, and the
-    replaced config is on record."""
+    """Trajectories that hold no row fail after the run's config is written and before any step is saved; the
+    rerun with the right file trains, and the replaced config is on record. (A path that does not exist is refused
+    before anything is written: no config.json.)"""
     from sweet_jax.train import rundir
 
-    failed = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'typo.jsonl'}", check=False)
-    assert failed.returncode == 2 and "typo.jsonl" in failed.stderr, failed.stderr[-2000:]
+    missing = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'typo.jsonl'}", check=False)
+    assert missing.returncode == 2 and "typo.jsonl" in missing.stderr, missing.stderr[-2000:]
+    assert not (tmp_path / "run" / "config.json").exists()
+    (tmp_path / "empty.jsonl").write_text("")
+    failed = run_train(tmp_path / "run", data, f"--config.data.trajectories={tmp_path / 'empty.jsonl'}", check=False)
+    assert failed.returncode == 2 and "no rows" in failed.stderr, failed.stderr[-2000:]
+    assert (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists() or steps_on_disk(tmp_path / "run") == []
     run_train(tmp_path / "run", data, "--config.train.num_steps=2")
     assert steps_on_disk(tmp_path / "run") == [2]
     assert rundir.read_config(tmp_path / "run").data.trajectories == str(data)
