@@ -498,6 +498,14 @@ def compile_cache_environment(environ=os.environ) -> None:
     environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(base, "sweet_jax", "jax"))
 
 
+def without_torch(modules=sys.modules) -> None:
+    """Hide PyTorch from this command's process: no command uses it, but transformers imports it when it is
+    installed (the test extra installs it), 2-3 s at every start on a 2-core host, for tokenizers that never
+    touch it. `import torch` then raises ImportError here and transformers runs as without PyTorch, as after the
+    plain install. A process that has already imported torch keeps it."""
+    modules.setdefault("torch", None)
+
+
 def run(main: Callable, *, define_flags: Callable[[], None] | None = None, allocator: bool = True,
         help_configs: Sequence[str] = (), module_name: str | None = None) -> None:
     """The `if __name__ == "__main__":` of every command.
@@ -511,6 +519,7 @@ def run(main: Callable, *, define_flags: Callable[[], None] | None = None, alloc
     compile_cache_environment()
     if allocator:
         host_malloc.reexec_with_allocator()  # before jax starts: huge pages or tcmalloc for XLA's per-step host buffers
+    without_torch()
     module_name = module_name or _calling_module()
     if define_flags is None:
         setup_logging()

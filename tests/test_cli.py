@@ -338,3 +338,41 @@ def test_the_console_script_s_usage_says_sweet_jax_name(tmp_path):
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and needle in proc.stdout and f"python -m sweet_jax.{name}" not in proc.stdout, \
             proc.stdout[:2000]
+
+
+def test_a_command_process_runs_without_torch_and_reads_tokenizers_as_with_it(tmp_path):
+    """cli.without_torch (every command): transformers does not import PyTorch (2-3 s a start), and the demo and
+    the SmolLM2 tokenizers give the same ids and chat rendering as in this process, which has torch."""
+    import transformers
+    from sweet_jax.models import gguf
+
+    smollm2 = gguf.gguf_to_hf("smollm2", tmp_path / "smollm2_hf")
+    messages = [{"role": "system", "content": "rules"}, {"role": "user", "content": "Write f(x) = 2 * x."}]
+    script = (
+        "import json, sys\n"
+        "from sweet_jax import cli\n"
+        "cli.without_torch()\n"
+        "from sweet_jax.data.tokenizers import load_tokenizer\n"
+        "out = {}\n"
+        "for path in sys.argv[2:]:\n"
+        "    tok = load_tokenizer(path)\n"
+        "    out[path] = [tok.apply_chat_template(json.loads(sys.argv[1]), tokenize=False),\n"
+        "                 tok('def f(x): return 2 * x')['input_ids']]\n"
+        "import transformers.utils.import_utils as iu\n"
+        "print(json.dumps({'torch': sys.modules.get('torch') is not None, 'available': iu.is_torch_available(),\n"
+        "                  'tokens': out}))\n")
+    paths = [str(demo.paths().tokenizer), str(smollm2)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(messages), *paths], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["torch"] is False and answer["available"] is False
+    for path in paths:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        assert answer["tokens"][path] == [tok.apply_chat_template(messages, tokenize=False),
+                                          tok("def f(x): return 2 * x")["input_ids"]], path
+    assert "torch" in sys.modules   # this process (the tests) has it: the comparison was with torch present
+    modules = {"torch": sys.modules["torch"]}
+    cli.without_torch(modules)
+    assert modules["torch"] is sys.modules["torch"]   # a process that imported torch keeps it
