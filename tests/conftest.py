@@ -7,14 +7,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# The heaviest test files first (seconds of one file, measured with --junitxml on a 2-core host), the rest in
-# collection order: pytest-xdist hands out whole files (--dist loadfile) in this order, so two workers end
-# together instead of one running a long file alone at the end (pyproject addopts: --no-loadscope-reorder, which
-# would order files by their number of tests).
+# The heaviest test files first, heaviest first (seconds of one file in the suite of 2026-12-02, --junitxml, a
+# 2-core host: 332, 249, 203, 202, 176, 158, 148, 136, 130, 123, 86, 82, 80, 78, 73, 71; the other files 1-58), the
+# rest in collection order: pytest-xdist hands out whole files (--dist loadfile) in this order, so the two workers
+# end together instead of one running a long file alone at the end (pyproject addopts: --no-loadscope-reorder;
+# xdist would otherwise order the files by their number of tests).
 HEAVIEST_FIRST = (
-    "test_pipeline_smollm2.py", "test_pipeline.py", "test_train.py", "test_lora.py", "test_policy_backend.py",
-    "test_frontend_pipeline.py", "test_pipeline_discovery.py", "test_paths.py", "test_multiprocess.py",
-    "test_rollout.py", "test_steps.py", "test_serve.py", "test_plan.py", "test_gguf.py",
+    "test_steps.py", "test_train.py", "test_pipeline.py", "test_pipeline_smollm2.py", "test_lora.py", "test_plan.py",
+    "test_generate.py", "test_models.py", "test_serve.py", "test_cpu_matmul.py", "test_gguf.py",
+    "test_policy_backend.py", "test_paths.py", "test_frontend_pipeline.py", "test_models_scan.py",
+    "test_pipeline_discovery.py",
 )
 
 
