@@ -197,6 +197,7 @@ def test_cli_rollout_against_our_server_survives_sigkill_and_resumes(tmp_path, s
 
     out = tmp_path / "traj.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)   # the command line as a user runs it (one device, XLA's optimisation)
     first = subprocess.Popen(rollout_cli(out, simulator_server.url), cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
