@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import socket
 import threading
 import time
 
 import pytest
+from local_http import LocalServer, QuietHandler, write
 
 from sweet_jax.envs import (ANSWER_MARKER, NO_ANSWER, NO_RESPONSE, ColBenchEnv, ModelSimulator, OpenAISimulator,
                             ScriptedSimulator, SimulatorError, parse_agent_reply, simulator_messages)
@@ -103,7 +103,7 @@ def completion_body(text):
                          "message": {"role": "assistant", "content": text}}]}
 
 
-class MisbehavingEndpoint:
+class MisbehavingEndpoint(LocalServer):
     """A chat endpoint on 127.0.0.1 that fails the first `failures` requests in the given `mode`.
 
     modes: 'ok', 'http500', 'timeout' (answers after `delay_s`), 'malformed' (JSON that does not parse),
@@ -117,10 +117,7 @@ class MisbehavingEndpoint:
         self.lock = threading.Lock()
         endpoint = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 with endpoint.lock:
@@ -156,25 +153,12 @@ class MisbehavingEndpoint:
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(body)))
                     self.end_headers()
-                    for i in range(0, len(body), 1 if drip_s else len(body)):
-                        self.wfile.write(body[i:i + 1] if drip_s else body)
-                        self.wfile.flush()
-                        time.sleep(drip_s)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass
+                    return
+                write(self.wfile, body, drip_s)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.base_url = self.url
 
 
 def free_port():

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import signal
-import threading
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from sweet_jax.sampling import policy_backend
 from sweet_jax.rl import ranking
 from sweet_jax.data.schema import Trajectory
 from draws import MIN_IDENTICAL, assert_mostly_identical, assert_same_draws
+from local_http import LocalServer, QuietHandler, write
 
 pytestmark = pytest.mark.slow  # an engine (python -m sweet_jax.serve) per module, restarted by some tests
 
@@ -151,12 +151,7 @@ def test_an_engine_that_never_answers_is_a_one_line_error(policy_hf, tmp_path):
 
 def test_an_engine_without_token_ids_is_refused_with_what_to_do(in_process):
     """An engine that answers with token texts (vLLM without --return-tokens-as-token-ids) is an error saying so."""
-    import http.server
-
-    class Texts(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
+    class Texts(QuietHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             data = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
@@ -166,16 +161,10 @@ def test_an_engine_without_token_ids_is_refused_with_what_to_do(in_process):
             self.end_headers()
             self.wfile.write(data)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Texts)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        sampler = policy_backend.OpenAISampler([f"http://127.0.0.1:{server.server_address[1]}/v1"],
-                                               in_process.tokenizer, model="m", max_retries=0)
+    with LocalServer(Texts) as server:
+        sampler = policy_backend.OpenAISampler([server.url], in_process.tokenizer, model="m", max_retries=0)
         with pytest.raises(policy_backend.PolicyBackendError, match="--return-tokens-as-token-ids"):
             sampler.generate([[1, 2]], max_new_tokens=1)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_proxies_from_the_environment_still_apply(engine, in_process, monkeypatch):
@@ -255,20 +244,15 @@ def test_rollout_takes_the_backend_switch_and_plays_the_same_episodes(engine, po
 
 # -- hostile engines: every field of an answer is checked against the request; deadline and size per request --
 
-class HostileEngine:
+class HostileEngine(LocalServer):
     """A completions endpoint on 127.0.0.1 whose first `bad` answers are `answer(body)` (a dict, or raw bytes with
     `drip_s` seconds between them), then honest ones: `max_tokens` tokens of id 1 at log-prob -0.5."""
 
     def __init__(self, answer, bad=10 ** 9, drip_s=0.0, headers=None):
-        import http.server
-
         self.requests = 0
         engine = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 engine.requests += 1
@@ -282,24 +266,11 @@ class HostileEngine:
                     for k, v in (headers or {"Content-Length": str(len(data))}).items():
                         self.send_header(k, v)
                     self.end_headers()
-                    for i in range(0, len(data), 1 if drip_s else len(data) or 1):
-                        self.wfile.write(data[i:i + (1 if drip_s else len(data))])
-                        self.wfile.flush()
-                        time.sleep(drip_s)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass
+                    return
+                write(self.wfile, data, drip_s)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")
@@ -373,43 +344,17 @@ def test_an_answer_larger_than_the_request_allows_is_not_read_whole(demo_tokeniz
 
 # -- the engine while it starts: GET /models under the request deadline and the answer's size cap --
 
-class ModelsEngine:
+class ModelsEngine(LocalServer):
     """GET /v1/models on 127.0.0.1: `body` after the status line, a byte every `drip_s` seconds (headers
     included) when drip_s > 0."""
 
     def __init__(self, body: bytes, drip_s: float = 0.0):
-        import http.server
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
-                data = (b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(body), body))
-                try:
-                    if not drip_s:
-                        self.wfile.write(data)
-                        return
-                    for i in range(len(data)):
-                        self.wfile.write(data[i:i + 1])
-                        self.wfile.flush()
-                        time.sleep(drip_s)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
+                write(self.wfile, b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body), drip_s)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 MODEL_LIST = json.dumps({"object": "list", "data": [{"id": "served-policy", "object": "model"}]}).encode()
