@@ -8,8 +8,8 @@ import time
 
 
 class LocalServer:
-    """`handler` (a BaseHTTPRequestHandler class) on 127.0.0.1 at a free port, in a daemon thread from `with`;
-    url: its OpenAI-style base URL (http://127.0.0.1:PORT/v1)."""
+    """`handler` (a BaseHTTPRequestHandler class) on 127.0.0.1 at a free port, in a daemon thread from `with` (or
+    start() to close()); url: its OpenAI-style base URL (http://127.0.0.1:PORT/v1)."""
 
     def __init__(self, handler):
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -17,13 +17,19 @@ class LocalServer:
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
-    def __enter__(self):
+    def start(self):
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
-    def __exit__(self, *exc):
+    def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class QuietHandler(http.server.BaseHTTPRequestHandler):

@@ -3,11 +3,10 @@ retries, the scripted one), the CLIP-scored answers and the evaluation."""
 import base64
 import io
 import json
-import threading
-import http.server
 
 import numpy as np
 import pytest
+from local_http import LocalServer, QuietHandler
 from flax import nnx
 from PIL import Image
 
@@ -84,17 +83,14 @@ def test_output_marker_keeps_only_the_text_after_it():
 
 # --- the vision-language simulator against a local OpenAI-style endpoint ----------------------------------
 
-class ChatEndpoint:
+class ChatEndpoint(LocalServer):
     """POST /v1/chat/completions on 127.0.0.1: records each request body; the first `failures` get HTTP 500."""
 
     def __init__(self, reply="Make the header brown.", failures=0):
         self.bodies, self.paths = [], []
         endpoint = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 endpoint.bodies.append(body)
@@ -113,13 +109,9 @@ class ChatEndpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.base_url = self.url
+        self.start()
 
 
 @pytest.fixture

@@ -1,17 +1,16 @@
 """Rollouts: batched episodes, incremental resumable output, failed episodes recorded, CLI against our server."""
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
+from local_http import LocalServer, QuietHandler
 
 from sweet_jax.rl import episodes as collect
 from sweet_jax.envs import ANSWER_MARKER, OpenAISimulator, ScriptedSimulator
@@ -99,17 +98,14 @@ def test_resume_refuses_an_output_written_for_other_tasks(tmp_path):
         collect.rollout(other, policy, ScriptedSimulator(), out, progress=False)
 
 
-class PoisonEndpoint:
+class PoisonEndpoint(LocalServer):
     """Chat endpoint: HTTP 500 when the request mentions POISON, a malformed body for GARBLED, else a reply."""
 
     def __init__(self):
         endpoint = self
         self.requests = 0
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0))).decode()
                 endpoint.requests += 1
@@ -128,14 +124,9 @@ class PoisonEndpoint:
                 self.end_headers()
                 self.wfile.write(payload)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.base_url = self.url
+        self.start()
 
 
 def test_failed_simulator_episodes_are_recorded_with_reason_and_the_run_goes_on(tmp_path):
