@@ -158,7 +158,6 @@ class MisbehavingEndpoint(LocalServer):
                 write(self.wfile, body, drip_s)
 
         super().__init__(Handler)
-        self.base_url = self.url
 
 
 def free_port():
@@ -174,7 +173,7 @@ def fast_simulator(base_url, **kw):
 
 def test_openai_simulator_answers_from_the_endpoint():
     with MisbehavingEndpoint("ok") as endpoint:
-        env = ColBenchEnv(TASK, fast_simulator(endpoint.base_url))
+        env = ColBenchEnv(TASK, fast_simulator(endpoint.url))
         env.step("What does a small coffee cost?")
     assert env.dialogue_history[-1]["content"] == "Small coffee is 2 dollars."
 
@@ -182,7 +181,7 @@ def test_openai_simulator_answers_from_the_endpoint():
 @pytest.mark.parametrize("mode", ["http500", "malformed", "bad_schema"])
 def test_transient_failures_are_retried_until_success(mode):
     with MisbehavingEndpoint(mode, failures=2) as endpoint:
-        reply = fast_simulator(endpoint.base_url).reply(TASK, [{"role": "user", "content": "hi"}])
+        reply = fast_simulator(endpoint.url).reply(TASK, [{"role": "user", "content": "hi"}])
     assert reply == "Small coffee is 2 dollars."
     assert endpoint.requests == 3
 
@@ -191,15 +190,15 @@ def test_transient_failures_are_retried_until_success(mode):
 def test_persistent_failures_raise_with_the_reason_after_retries(mode):
     with MisbehavingEndpoint(mode) as endpoint:
         with pytest.raises(SimulatorError, match="after 3 attempt") as info:
-            fast_simulator(endpoint.base_url).reply(TASK, [{"role": "user", "content": "hi"}])
+            fast_simulator(endpoint.url).reply(TASK, [{"role": "user", "content": "hi"}])
     assert endpoint.requests == 3
-    assert endpoint.base_url in str(info.value)
+    assert endpoint.url in str(info.value)
 
 
 def test_timeout_is_retried_then_reported():
     with MisbehavingEndpoint("timeout", delay_s=1.0) as endpoint:
         with pytest.raises(SimulatorError, match="Timeout"):
-            fast_simulator(endpoint.base_url, timeout_s=0.2, max_retries=1).reply(TASK, [])
+            fast_simulator(endpoint.url, timeout_s=0.2, max_retries=1).reply(TASK, [])
     assert endpoint.requests == 2
 
 
@@ -212,7 +211,7 @@ def test_endpoint_down_is_reported_as_connection_error():
 def test_a_slow_drip_answer_is_cut_at_the_request_deadline_then_retried():
     """A byte every 50 ms keeps each socket read under timeout_s; the request as a whole is cut at timeout_s."""
     with MisbehavingEndpoint("drip", failures=1) as endpoint:
-        simulator = fast_simulator(endpoint.base_url, timeout_s=1.0, max_retries=1)
+        simulator = fast_simulator(endpoint.url, timeout_s=1.0, max_retries=1)
         start = time.monotonic()
         assert simulator.reply(TASK, []) == "Small coffee is 2 dollars."
     assert endpoint.requests == 2 and time.monotonic() - start < 4.0
@@ -221,28 +220,28 @@ def test_a_slow_drip_answer_is_cut_at_the_request_deadline_then_retried():
 def test_an_answer_past_the_size_cap_is_not_read_whole_and_is_reported():
     with MisbehavingEndpoint("huge") as endpoint:
         with pytest.raises(SimulatorError, match="passed .* bytes|announces .* bytes"):
-            fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
+            fast_simulator(endpoint.url, max_tokens=256, max_retries=1).reply(TASK, [])
     assert endpoint.requests == 2
 
 
 def test_a_reply_of_more_tokens_than_asked_is_retried_then_reported():
     with MisbehavingEndpoint("overlong") as endpoint:
         with pytest.raises(SimulatorError, match="5000 completion tokens for max_tokens=256"):
-            fast_simulator(endpoint.base_url, max_tokens=256, max_retries=1).reply(TASK, [])
+            fast_simulator(endpoint.url, max_tokens=256, max_retries=1).reply(TASK, [])
     assert endpoint.requests == 2
 
 
 def test_a_reply_with_a_lone_surrogate_is_stored_with_a_replacement_character(tmp_path):
     from sweet_jax import jsonl
     with MisbehavingEndpoint("surrogate") as endpoint:
-        reply = fast_simulator(endpoint.base_url).reply(TASK, [])
+        reply = fast_simulator(endpoint.url).reply(TASK, [])
     assert reply == "caf\ufffde"
     jsonl.write(tmp_path / "t.jsonl", [{"content": reply}])  # a UTF-8 file can hold it
 
 
 def test_rejected_request_gets_no_response_like_the_official_simulator():
     with MisbehavingEndpoint("http400") as endpoint:
-        assert fast_simulator(endpoint.base_url).reply(TASK, []) == NO_RESPONSE
+        assert fast_simulator(endpoint.url).reply(TASK, []) == NO_RESPONSE
     assert endpoint.requests == 1  # not retried
 
 

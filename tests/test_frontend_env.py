@@ -110,7 +110,6 @@ class ChatEndpoint(LocalServer):
                 self.wfile.write(data)
 
         super().__init__(Handler)
-        self.base_url = self.url
         self.start()
 
 
@@ -141,7 +140,7 @@ def image_bytes(part):
 def test_vision_request_holds_instruction_draft_and_wanted_page(endpoint):
     server = endpoint()
     wanted = {**TASK, "ground_truth": "<html><body><p>blue</p></body></html>"}
-    env = FrontendEnv(wanted, vision_simulator(server.base_url))
+    env = FrontendEnv(wanted, vision_simulator(server.url))
     env.step("Here is a draft: <html><body><p>red</p></body></html>")
     assert env.dialogue_history[-1] == {"role": "user", "content": "Make the header brown."}
     (body,) = server.bodies
@@ -158,7 +157,7 @@ def test_vision_request_holds_instruction_draft_and_wanted_page(endpoint):
 
 def test_vision_request_without_a_draft_says_so(endpoint):
     server = endpoint()
-    env = FrontendEnv(TASK, vision_simulator(server.base_url))
+    env = FrontendEnv(TASK, vision_simulator(server.url))
     env.step("What is the page about?")
     parts = server.bodies[0]["messages"][0]["content"]
     assert [p["type"] for p in parts] == ["text", "text", "text", "image_url"]
@@ -168,21 +167,21 @@ def test_vision_request_without_a_draft_says_so(endpoint):
 def test_reference_page_is_rendered_once_per_task(endpoint):
     server = endpoint()
     pool = ColourPool()
-    simulator = vision_simulator(server.base_url, Screens(pool))
+    simulator = vision_simulator(server.url, Screens(pool))
     simulator.reply_many([(TASK, [{"role": "assistant", "content": "q?"}])] * 3)
     assert pool.rendered.count(WANTED) == 1
 
 
 def test_server_errors_are_retried(endpoint):
     server = endpoint(failures=2)
-    assert vision_simulator(server.base_url).reply(TASK, [{"role": "assistant", "content": "q?"}]) == \
+    assert vision_simulator(server.url).reply(TASK, [{"role": "assistant", "content": "q?"}]) == \
         "Make the header brown."
     assert len(server.bodies) == 3
 
 
 def test_persistent_failure_fails_only_its_episode(endpoint):
     server = endpoint(failures=10 ** 6)
-    (result,) = vision_simulator(server.base_url).reply_many([(TASK, [{"role": "assistant", "content": "q?"}])])
+    (result,) = vision_simulator(server.url).reply_many([(TASK, [{"role": "assistant", "content": "q?"}])])
     assert isinstance(result, SimulatorError) and "failed after 3 attempt(s)" in str(result)
 
 
@@ -190,7 +189,7 @@ def test_a_reference_that_does_not_render_is_a_simulator_error(endpoint):
     server = endpoint()
     broken = {**TASK, "ground_truth": "<html><p>FAIL</p></html>"}
     with pytest.raises(SimulatorError, match="reference page did not render"):
-        vision_simulator(server.base_url).reply(broken, [{"role": "assistant", "content": "q?"}])
+        vision_simulator(server.url).reply(broken, [{"role": "assistant", "content": "q?"}])
     assert server.bodies == []
 
 

@@ -125,7 +125,6 @@ class PoisonEndpoint(LocalServer):
                 self.wfile.write(payload)
 
         super().__init__(Handler)
-        self.base_url = self.url
         self.start()
 
 
@@ -136,7 +135,7 @@ def test_failed_simulator_episodes_are_recorded_with_reason_and_the_run_goes_on(
     tasks[2]["hidden_information"] += " GARBLED"
     endpoint = PoisonEndpoint()
     try:
-        simulator = OpenAISimulator(endpoint.base_url, "sim", max_retries=2, backoff_s=0.01, timeout_s=5)
+        simulator = OpenAISimulator(endpoint.url, "sim", max_retries=2, backoff_s=0.01, timeout_s=5)
         summary = collect.rollout(tasks, collect.FunctionPolicy(asking_then_answering_policy), simulator,
                                       out, batch_size=4, progress=False)
     finally:
@@ -149,7 +148,7 @@ def test_failed_simulator_episodes_are_recorded_with_reason_and_the_run_goes_on(
     assert failures[1]["dialogue_history"][1]["role"] == "assistant"  # what happened before the failure is kept
     assert summary["episodes"] == 2 and summary["failed_episodes"] == 2
     # A rerun retries only the failed episodes (here the endpoint is gone: they fail again, nothing is duplicated).
-    simulator = OpenAISimulator(endpoint.base_url, "sim", max_retries=0, timeout_s=2)
+    simulator = OpenAISimulator(endpoint.url, "sim", max_retries=0, timeout_s=2)
     summary = collect.rollout(tasks, collect.FunctionPolicy(asking_then_answering_policy), simulator, out,
                                   progress=False)
     assert summary["failed_episodes"] == 2 and sorted(keys_of(out)) == [(0, 0), (3, 0)]
