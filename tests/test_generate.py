@@ -8,9 +8,10 @@ import torch
 
 from tiny import load_torch, make_hf_llama
 
+from sweet_jax import costs
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
-from sweet_jax.sampling.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length, decode_windows,
-                                         filter_logits, first_argmax, inverse_cdf_draw, shared_prefix_length)
+from sweet_jax.sampling.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length, bucket_prompt,
+                                         decode_windows, filter_logits, first_argmax, inverse_cdf_draw, shared_prefix_length)
 from sweet_jax.models import load_hf
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + merges + 6 specials)
@@ -68,6 +69,28 @@ def test_greedy_tokens_identical_to_transformers_generate(tmp_path):
     assert [s[0].token_ids for s in samples] == expected
     for s, e in zip(samples, expected):
         assert s[0].finish_reason == ("length" if len(e) == 24 else "stop")
+
+
+def test_a_long_prompt_prefills_a_finer_width_and_decodes_transformers_greedy_tokens(tmp_path):
+    """Past 128 tokens the prefill runs the prompt bucket_prompt wide (176 -> 192, not 256); the decode starts at
+    the coarser bucket_length slot, the slots between masked: transformers' greedy tokens, with and without a
+    shared prefix."""
+    hf_dir = make_hf_llama(tmp_path, "llama31", vocab_size=256, seed=3)
+    sampler, calls = Sampler(load_hf(hf_dir), min_shared_prefix=32), []
+    spy_prefill(sampler, calls)
+    for prompts in (random_prompts([131, 176, 150], seed=2), prompts_with_a_common_prefix(40, [100, 141, 120], seed=6)):
+        expected = hf_greedy(hf_dir, prompts, max_new_tokens=20, pad_id=0)
+        assert [s[0].token_ids for s in sampler.generate(prompts, max_new_tokens=20, temperature=0.0)] == expected
+    assert calls == [(0, 4, 192), (32, 4, 160)]   # 176 tokens; 8 + 141 after the shared 32
+    assert sampler._decode_fns.keys() == {(256, 256 + 32, 0), (32 + 256, 32 + 256 + 32, 0)}
+
+
+def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
+    assert [bucket_prompt(n) for n in (1, 17, 128, 129, 161, 256, 257, 600, 1025, 9000)] == \
+        [16, 32, 128, 160, 192, 256, 320, 640, 1280, 9216]
+    for n in range(1, 5000, 7):   # never past the decode's width; under 25% padding past 128 tokens
+        assert n <= bucket_prompt(n) <= bucket_length(n)
+        assert n <= 128 or bucket_prompt(n) < 1.25 * n
 
 
 def prompts_with_a_common_prefix(prefix_len, suffix_lengths, seed):
@@ -443,3 +466,95 @@ def test_a_cancelled_request_stops_at_the_next_chunk_and_the_others_are_unchange
     assert got[1][0].token_ids == whole[1][0].token_ids and got[1][0].logprobs == whole[1][0].logprobs
     skipped = sampler.generate_requests(requests, cancelled=lambda i: i == 1)
     assert skipped[1] == [] and skipped[0][0].token_ids == whole[0][0].token_ids
+
+
+def compaction_requests(seed=0):
+    """Rows that end at very different steps: eos-stopped sampled rows, short budgets, one long greedy row."""
+    prompts = random_prompts([5, 12, 30, 9], seed=seed)
+    return [Request(prompts[0], SamplingParams(max_new_tokens=20, temperature=1.0, n=5, seed=1)),
+            Request(prompts[1], SamplingParams(max_new_tokens=3, temperature=1.0, n=2, seed=2, ignore_eos=True)),
+            Request(prompts[2], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)),
+            Request(prompts[3], SamplingParams(max_new_tokens=11, temperature=1.0, top_k=5, n=3, seed=3,
+                                               ignore_eos=True, top_logprobs=2))]
+
+
+def assert_same_samples(got, expected):
+    """The same tokens, texts, finish reasons and top alternatives; log-probs to float32 rounding (a matmul over
+    fewer rows may sum in another order)."""
+    assert [[(s.token_ids, s.text, s.finish_reason) for s in g] for g in got] == \
+        [[(s.token_ids, s.text, s.finish_reason) for s in g] for g in expected]
+    for g, e in zip(got, expected):
+        for a, b in zip(g, e):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+            assert (a.top_logprobs is None) == (b.top_logprobs is None)
+            for top_a, top_b in zip(a.top_logprobs or [], b.top_logprobs or []):
+                assert [i for i, _ in top_a] == [i for i, _ in top_b]
+                np.testing.assert_allclose([v for _, v in top_a], [v for _, v in top_b], rtol=0, atol=1e-5)
+
+
+def test_compacted_decoding_gives_the_samples_of_the_whole_batch_and_runs_fewer_rows(hf_dir, tokenizer):
+    """Every 4 steps the rows still decoding move into a smaller batch: the same tokens, top alternatives and
+    finish reasons as the batch decoded whole, log-probs to float rounding, for fewer row-steps run."""
+    model = load_hf(hf_dir)
+    whole_sampler = Sampler(model, tokenizer, compact_every=0)
+    compact_sampler = Sampler(model, tokenizer, compact_every=4, min_compact_rows=1)
+    shrinks = []
+    take = compact_sampler._take_fn
+    compact_sampler._take_fn = lambda carry, rows, index, idle: (shrinks.append(index.shape[0]),
+                                                                  take(carry, rows, index, idle))[1]
+    requests = compaction_requests()
+    costs.reset()
+    whole = whole_sampler.generate_requests(requests)
+    whole_row_steps = costs.snapshot()["sample_new_padded_tokens"]
+    costs.reset()
+    compacted = compact_sampler.generate_requests(requests)
+    compact_row_steps = costs.snapshot()["sample_new_padded_tokens"]
+    assert_same_samples(compacted, whole)
+    assert shrinks and shrinks == sorted(shrinks, reverse=True) and shrinks[-1] == 1, shrinks  # the greedy row alone
+    lengths = [len(s.token_ids) for group in whole for s in group]
+    assert max(lengths) == 40 and min(lengths) <= 3
+    assert whole_row_steps == 16 * 40   # 11 sample rows bucketed to 16, until the longest row ends
+    assert compact_row_steps < whole_row_steps // 2, (compact_row_steps, whole_row_steps)
+    assert costs.snapshot()["sample_new_tokens"] == sum(lengths)
+
+
+def test_compaction_keeps_streamed_reports_stop_strings_and_cancellation(hf_dir, tokenizer):
+    """Reports, stop-string checks and a cancelled request across compactions: the samples of the uncompacted
+    loop, and each report a prefix of its final sample."""
+    model = load_hf(hf_dir)
+    samplers = [Sampler(model, tokenizer, compact_every=every, min_compact_rows=1, stop_check_every=8)
+                for every in (0, 4)]
+    prompt = samplers[0].encode("The sum of two")
+    requests = compaction_requests(seed=4) + [Request(prompt, SamplingParams(max_new_tokens=48, temperature=1.0,
+                                                                             seed=11, stop=("e",), n=3))]
+    runs = []
+    for sampler in samplers:
+        reports, seen = [], {"steps": 0}
+
+        def report(idx, partial, reports=reports, seen=seen):
+            reports.append((idx, partial))
+            seen["steps"] = max(len(s.token_ids) for group in partial for s in group)
+
+        got = sampler.generate_requests(requests, chunk_steps=4, on_chunk=report,
+                                        cancelled=lambda i, seen=seen: i == 2 and seen["steps"] >= 6)
+        runs.append((got, reports))
+        for idx, partial in reports:
+            for i, samples in zip(idx, partial):
+                for part, final in zip(samples, got[i]):
+                    assert final.token_ids[:len(part.token_ids)] == part.token_ids
+    (whole, whole_reports), (compacted, compact_reports) = runs
+    assert_same_samples(compacted, whole)
+    assert len(compact_reports) == len(whole_reports)
+    assert compacted[2][0].finish_reason == "cancelled" and 6 <= len(compacted[2][0].token_ids) < 40
+    assert any(s.finish_reason == "stop" and "e" not in s.text for s in compacted[4])
+
+
+def test_sharded_compaction_gives_the_unsharded_samples(hf_dir, sampler):
+    from sweet_jax.sharding import make_mesh
+
+    mesh = make_mesh((2, 2, 2))
+    sharded = Sampler(load_hf(hf_dir, mesh=mesh), sampler.tokenizer, mesh=mesh, compact_every=4,
+                      min_compact_rows=1)
+    whole = Sampler(sampler.model, sampler.tokenizer, compact_every=0)
+    requests = compaction_requests(seed=5)
+    assert_same_samples(sharded.generate_requests(requests), whole.generate_requests(requests))

@@ -7,7 +7,8 @@
 How a batch runs:
 1. Prompts are tokenized. A prefix common to all of them (S tokens, a multiple of 16: the system prompt, an
    agent's rules; shared_prefix_length) is set apart; the rest of each prompt is left-padded to a bucketed
-   length W (few distinct shapes, few compiles). The prompt width is P = S + W.
+   length W (few distinct shapes, few compiles; bucket_prompt). The decode's prompt width P >= S + W is coarser
+   (bucket_length: fewer decode programs); the slots between are masked.
 2. Prefill (jit): the prompts fill a fresh heads-major cache (keys [B, kv_heads, head_dim, slots], values
    [B, kv_heads, slots, head_dim]; Llama.init_cache) of P slots: the shared prefix runs once, on one row, and
    its K/V are copied to every row; the rest runs on all rows, attending to it. The logits of each prompt's
@@ -21,6 +22,12 @@ How a batch runs:
    windows are dispatched back to back without a host sync. Stop *strings* need decoded text, so when a
    request has any, the loop also stops every `stop_check_every` tokens and Python checks the text (output
    truncated before the stop string).
+4. Compaction: every `compact_every` steps the loop stops and, once the rows still decoding fit a batch of half
+   the size or less (a power of two, at least `min_compact_rows`), gathers them into it (_take_rows); the rows
+   that ended keep their outputs on the host. A step's time follows its rows, and in an agent's turns most rows
+   end long before the longest one (short questions beside long answers). A row's draws depend only on its own
+   key and step (fold_in), so it samples the same tokens in the smaller batch; its log-probs agree to float32
+   rounding (a matmul over fewer rows may sum in another order).
 
 Where a decode step's time goes (CPU, batch 8, the 24M bench model): reading the weights (64 MB a step, half
 of it the unembedding) and the attended K/V; see BENCHMARKS.md "Sampler" for the roofline. Hence: no cache
@@ -123,6 +130,17 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     if n <= 1024:
         return 1 << (n - 1).bit_length()
     return -(-n // 1024) * 1024
+
+
+def bucket_prompt(n: int, minimum: int = 16) -> int:
+    """The prefill's width for prompts of up to n tokens: powers of two up to 128, then steps of a quarter of the
+    octave (160, 192, 224, 256, 320, ...; at most 1024): under 25% padding for four shapes an octave, where
+    powers of two pad up to half. The decode keeps bucket_length's coarser widths (decode_windows)."""
+    n = max(int(n), minimum)
+    if n <= 128:
+        return 1 << (n - 1).bit_length()
+    step = min(1 << ((n - 1).bit_length() - 3), 1024)
+    return -(-n // step) * step
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]], minimum: int, multiple: int = 16) -> int:
@@ -313,13 +331,14 @@ def _sampler_matmuls(program):
 
 @_sampler_matmuls
 def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sample_row_N, *, max_len: int,
-             width: int, mesh):
+             width: int, gap: int, mesh):
     """Fill a heads-major cache of `width` slots (the decode windows grow it) with the prompts, then gather
     prompt rows into sample rows (prefill shared by n samples).
 
     A prefix common to every prompt of the batch (prefix_ids [1, S], S may be 0) runs once, on one row, and its
     K/V are copied to every row's slots [0, S); the rest of each prompt (input_ids [B, W], left-padded) then
-    runs at slots [S, S + W), attending to the prefix. Prompt width P = S + W."""
+    runs at slots [S, S + W), attending to the prefix. `gap` slots after the prompt stay masked: the decode's
+    new tokens start at slot S + W + gap (its coarser prompt width, shared by more prompt lengths)."""
     model = nnx.merge(graphdef, state)
     S = prefix_ids_1S.shape[1]
     B, W = input_ids_BW.shape
@@ -327,7 +346,8 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
     # Slots past the prompt are marked valid up front: causality (slot <= cache_pos + i) hides them until
     # they are written, so the same mask serves prefill and every decode step.
     cache_mask_BL = jnp.concatenate([jnp.ones((B, S), prompt_mask_BW.dtype), prompt_mask_BW,
-                                     jnp.ones((B, max_len - S - W), prompt_mask_BW.dtype)], axis=1)
+                                     jnp.zeros((B, gap), prompt_mask_BW.dtype),
+                                     jnp.ones((B, max_len - S - W - gap), prompt_mask_BW.dtype)], axis=1)
     if S:
         cache = model.init_cache(1, width)
         positions_1S = jnp.arange(S, dtype=jnp.int32)[None]
@@ -355,6 +375,18 @@ def _grow_cache(cache, *, width: int, mesh):
         return jnp.pad(x, pad)
     grown = [{name: grow(x, cache_slot_axis(name)) for name, x in layer.items()} for layer in cache]
     return _constrain_batch(grown, mesh, cache[0]["v_BKSH"].shape[0])
+
+
+def _take_rows(carry, rows, index_M, idle_M, *, mesh):
+    """The decode state of batch rows `index` as a batch of its own (compaction: the rows still decoding, the
+    finished ones left out). idle rows repeat a live one and are marked done (they fill the batch to a bucketed
+    size). A row's next tokens depend only on its own cache, logits, settings and key (fold_in(key, step)), so it
+    decodes on as it would have in the bigger batch."""
+    take = lambda x: x[index_M] if hasattr(x, "ndim") and x.ndim else x
+    taken = {name: take(value) for name, value in carry.items() if name != "cache"}
+    taken["done"] = taken["done"] | idle_M
+    cache = _constrain_batch(jax.tree_util.tree_map(take, carry["cache"]), mesh, index_M.shape[0])
+    return dict(taken, cache=cache), {name: take(value) for name, value in rows.items()}
 
 
 @_sampler_matmuls
@@ -416,11 +448,13 @@ class Sampler(BaseSampler):
     max_batch_size: most sample rows decoded together; bigger calls are split into several batches
     min_shared_prefix: a prefix of at least this many tokens common to a batch's prompts runs once in the
                 prefill (shared_prefix_length); 0 turns the sharing off
+    compact_every: every this many decode steps, the rows still decoding move into a smaller batch when they fit
+                one (a power of two, at least min_compact_rows rows); 0 turns compaction off
     """
 
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
                  stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None,
-                 min_shared_prefix: int = 32):
+                 min_shared_prefix: int = 32, compact_every: int = 16, min_compact_rows: int = 4):
         if tokenizer is not None:
             check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
@@ -435,14 +469,17 @@ class Sampler(BaseSampler):
         self.max_batch_size = max_batch_size
         self.stop_check_every = stop_check_every
         self.min_shared_prefix = min_shared_prefix
+        self.compact_every = compact_every
+        self.min_compact_rows = min_compact_rows
         self._seeds = np.random.default_rng(seed)
         self._batch_shards = 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])  # 'batch' axes
         self.eos_token_ids = tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else \
             self._default_eos_ids()
         self.pad_id = self._pad_id()
-        self._prefill_fns: dict[tuple[int, int], Any] = {}
+        self._prefill_fns: dict[tuple[int, int, int], Any] = {}
         self._decode_fns: dict[tuple[int, int, int], Any] = {}
         self._grow_fns: dict[int, Any] = {}
+        self._take_fn = jax.jit(functools.partial(_take_rows, mesh=mesh))
         self._unembed_fn = jax.jit(functools.partial(_split_unembedding, mesh=mesh))
 
     @property
@@ -641,8 +678,9 @@ class Sampler(BaseSampler):
                         cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
         B = bucket_rows(len(requests), self._batch_shards)
         S = shared_prefix_length([r.prompt_ids for r in requests], self.min_shared_prefix)
-        W = bucket_length(max(len(r.prompt_ids) for r in requests) - S)
-        P = S + W
+        longest = max(len(r.prompt_ids) for r in requests) - S
+        W = bucket_prompt(longest)       # the prefill's width
+        P = S + bucket_length(longest)   # the decode's prompt width (its new tokens start at slot P)
         n_rows = sum(r.params.n for r in requests)
         N = bucket_rows(n_rows, self._batch_shards)
         max_new = max(r.params.max_new_tokens for r in requests)
@@ -658,13 +696,13 @@ class Sampler(BaseSampler):
             prompt_mask[b, W - len(ids):] = 1
 
         stop_sets = [self._stop_ids(r.params) for r in requests]
-        S = max(4, 1 << (max(len(s) for s in stop_sets) - 1).bit_length()) if any(stop_sets) else 4
+        stop_width = max(4, 1 << (max(len(s) for s in stop_sets) - 1).bit_length()) if any(stop_sets) else 4
         sample_row = np.zeros(N, np.int32)
         temperature = np.zeros(N, np.float32)
         top_p = np.ones(N, np.float32)
         top_k = np.zeros(N, np.int32)
         max_new_rows = np.ones(N, np.int32)  # padding rows finish after one step
-        stop_ids = np.full((N, S), -1, np.int32)
+        stop_ids = np.full((N, stop_width), -1, np.int32)
         keys = np.zeros((N, 2), np.uint32)
         owner: list[tuple[int, int]] = []  # sample row -> (request, sample index)
         row = 0
@@ -688,7 +726,7 @@ class Sampler(BaseSampler):
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
         with costs.timed("sample_prefill"):  # blocks on the prefill once a batch: the decode waits for it anyway
-            cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_fn(L, P)(
+            cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_fn(L, S + W, P - S - W)(
                 graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask), put(sample_row)))
         costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in requests), prefix_ids.shape[1] + B * W)
         decode_start = time.perf_counter()
@@ -744,20 +782,29 @@ class Sampler(BaseSampler):
         cancelled_rows: set[int] = set()
         step, checked, report_at = 0, 0, 1 if on_chunk is not None else chunk_steps
         outputs = ["tokens", "logprobs", "length", "stopped", "done"] + (["top_ids", "top_logprobs"] if top_n else [])
+        # Compaction: every compact_every steps (the same steps whether or not the loop also stops for reports),
+        # the rows still decoding move into a smaller batch once they fit one; the rows that left keep their
+        # outputs on the host (batch_rows). A step's time follows its rows, and most rows of a batch end early.
+        batch_rows = _BatchRows(N)
+        min_rows = bucket_rows(self.min_compact_rows, self._batch_shards)
+        compact_every = self.compact_every if N > min_rows else 0
+        compact_at = compact_every or max_new
+        row_steps, segment_start = 0, 0
         while step < max_new:
             # The window holding this step's slot (P + step); its loop stops at the window's end, the next
-            # stop-string check or the next report. Otherwise the windows run back to back with no host sync: a
-            # window whose rows are all done exits at once.
+            # stop-string check, report or compaction. Otherwise the windows run back to back with no host sync:
+            # a window whose rows are all done exits at once.
             width = next(w for w in windows if P + step < w)
-            step = min(width - P, checked + chunk, max_new, report_at if reports else max_new)
+            step = min(width - P, checked + chunk, max_new, report_at if reports else max_new, compact_at)
             if _cache_width(carry["cache"]) < width:
                 carry["cache"] = self._grow_fn(width)(carry["cache"])
             carry = self._decode_fn(P, width, top_n)(graphdef, state, carry, rows, jnp.int32(step), unembed_parts)
             check_stops = has_stop_strings and step >= min(checked + chunk, max_new)
             report = reports and step >= min(report_at, max_new)
-            if not check_stops and not report:
+            compact = step >= compact_at and step < max_new
+            if not (check_stops or report or compact):
                 continue
-            fields = fetch(outputs if check_stops or on_chunk is not None else ["done"])
+            fields = batch_rows.full(fetch(outputs if check_stops or on_chunk is not None else ["done"]))
             done = fields["done"]
             newly_done = np.zeros(N, bool)
             if check_stops:
@@ -780,12 +827,22 @@ class Sampler(BaseSampler):
                             cancelled_rows.add(row)
                             newly_done[row] = True
             if newly_done.any():
-                carry["done"] = carry["done"] | put(newly_done)
+                carry["done"] = carry["done"] | put(batch_rows.batch(newly_done))
             if bool(np.all(done | newly_done)):
                 break
-        final = fetch(outputs + ["step"])
+            if compact:
+                compact_at = step + compact_every
+                still = batch_rows.decoding(done | newly_done)
+                rows_now = len(batch_rows.live)
+                M = max(bucket_rows(len(still), self._batch_shards), min_rows)
+                if M < rows_now:
+                    index, idle = batch_rows.shrink(fetch(outputs), still, M)
+                    carry, rows = self._take_fn(carry, rows, put(index), put(idle))
+                    row_steps, segment_start = row_steps + rows_now * (step - segment_start), step
+        final = batch_rows.full(fetch(outputs + ["step"]))
+        row_steps += len(batch_rows.live) * (int(final["step"]) - segment_start)
         costs.add("sample_decode_s", time.perf_counter() - decode_start)
-        costs.tokens("sample_new", int(final["length"][:len(owner)].sum()), N * int(final["step"]))
+        costs.tokens("sample_new", int(final["length"][:len(owner)].sum()), row_steps)
         return samples_of(final, final=True)
 
     def _find_stop_string(self, token_ids: np.ndarray, stops: Sequence[str]) -> tuple[int, str] | None:
@@ -808,11 +865,11 @@ class Sampler(BaseSampler):
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _prefill_fn(self, max_len: int, width: int):
-        if (max_len, width) not in self._prefill_fns:
-            self._prefill_fns[max_len, width] = jax.jit(
-                functools.partial(_prefill, max_len=max_len, width=width, mesh=self.mesh))
-        return self._prefill_fns[max_len, width]
+    def _prefill_fn(self, max_len: int, width: int, gap: int):
+        if (max_len, width, gap) not in self._prefill_fns:
+            self._prefill_fns[max_len, width, gap] = jax.jit(
+                functools.partial(_prefill, max_len=max_len, width=width, gap=gap, mesh=self.mesh))
+        return self._prefill_fns[max_len, width, gap]
 
     def _grow_fn(self, width: int):
         if width not in self._grow_fns:
@@ -861,6 +918,44 @@ class Sampler(BaseSampler):
             raise GenerateError(f"{what} need a tokenizer: build the Sampler with tokenizer=AutoTokenizer."
                                 f"from_pretrained(DIR), or pass token ids.")
         return self.tokenizer
+
+
+class _BatchRows:
+    """The sample rows a decode batch holds as compaction shrinks it, and the outputs of the rows it let go.
+
+    live[b] is the sample row in batch row b (-1: an idle filler). Outputs fetched from the batch are [batch, ...];
+    `full` gives them over every sample row (a row that left: its outputs as they were when it left, all final)."""
+
+    def __init__(self, n: int):
+        self.live = np.arange(n)
+        self.left: dict[str, np.ndarray] = {}
+
+    def full(self, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self.left:
+            return fields
+        real = self.live >= 0
+        out = dict(fields)
+        for name in self.left.keys() & fields.keys():
+            out[name] = self.left[name].copy()
+            out[name][self.live[real]] = fields[name][real]
+        return out
+
+    def batch(self, flags: np.ndarray) -> np.ndarray:
+        """Per-sample-row flags as the batch's rows (False for fillers)."""
+        return (self.live >= 0) & flags[np.maximum(self.live, 0)]
+
+    def decoding(self, done: np.ndarray) -> np.ndarray:
+        """Batch rows whose sample row is not done (done: per sample row)."""
+        return np.flatnonzero(self.batch(~done))
+
+    def shrink(self, fields: dict[str, np.ndarray], keep: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The batch becomes `keep` (batch rows) and fillers up to `rows`; fields: the batch's outputs now, kept for
+        the rows that leave. Returns the gather index and the idle (filler) flags of the new batch."""
+        self.left = self.full(fields)
+        index = np.concatenate([keep, np.full(rows - len(keep), keep[0])]).astype(np.int32)
+        idle = np.arange(rows) >= len(keep)
+        self.live = np.where(idle, -1, self.live[index])
+        return index, idle
 
 
 def _cache_width(cache) -> int:

@@ -73,7 +73,7 @@ from typing import Callable, Iterator
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sampling import generate
 from sweet_jax.sampling.generate import (MAX_TOP_LOGPROBS, GenerateError, Request, Sample, Sampler, SamplingParams,
-                                         bucket_length)
+                                         bucket_prompt)
 from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)
@@ -796,9 +796,9 @@ class OpenAIApp:
         tokens, default the server's), so that the first requests of those shapes do not wait for a compile.
         Returns the number of shapes run. More rows (concurrent requests, n > 1) are other shapes."""
         lengths, n = [], 1
-        while bucket_length(n) <= max_prompt:
-            lengths.append(bucket_length(n))
-            n = bucket_length(n) + 1
+        while bucket_prompt(n) <= max_prompt:
+            lengths.append(bucket_prompt(n))
+            n = bucket_prompt(n) + 1
         params = SamplingParams(max_new_tokens=max_tokens or self.default_max_tokens, temperature=0.0, n=1)
         pad = self.sampler.encode("a", add_special_tokens=False)[:1] or [0]
         done = 0
