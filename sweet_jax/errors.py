@@ -68,11 +68,13 @@ def disk_full(error: BaseException) -> OSError | None:
 
 # A remote path (gs://, s3://, ...) whose storage cannot be reached: TensorFlow's file system (behind etils.epath)
 # raises its own error types with libcurl's message, fsspec back ends OSErrors of their own.
+# A time-out or a refused connection is a network problem only where a remote path is named: Orbax's own threads
+# time out on a local disk too (a checkpoint's save finalize, e.g. after the process was stopped for a while).
 _REMOTE_PATH = re.compile(r"\b(?:gs|gcs|s3|hdfs|az|abfs)://[^\s'\"]+")
 _UNREACHABLE = re.compile(r"Could not resolve host|Couldn't resolve host|libcurl code|Name or service not known|"
-                          r"Temporary failure in name resolution|Network is unreachable|Connection refused|"
-                          r"Failed to connect|Could not connect|timed out|DefaultCredentialsError|"
+                          r"Temporary failure in name resolution|Network is unreachable|DefaultCredentialsError|"
                           r"could not find default credentials", re.IGNORECASE)
+_UNREACHABLE_IF_REMOTE = re.compile(r"Connection refused|Failed to connect|Could not connect|timed out", re.IGNORECASE)
 
 
 def remote_unreachable(error: BaseException) -> str | None:
@@ -82,9 +84,9 @@ def remote_unreachable(error: BaseException) -> str | None:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         text = str(error)[:10_000]
-        reason = _UNREACHABLE.search(text)
+        path = _REMOTE_PATH.search(text)
+        reason = _UNREACHABLE.search(text) or (_UNREACHABLE_IF_REMOTE.search(text) if path else None)
         if reason:
-            path = _REMOTE_PATH.search(text)
             where = path.group(0) if path else "a remote path (gs://, s3://, ...)"
             detail = next((line.strip() for line in text.splitlines() if reason.group(0) in line), reason.group(0))
             return (f"cannot reach {where}: {detail[:300]}; check the network and the storage credentials, or use a "

@@ -120,6 +120,19 @@ def test_a_remote_path_that_cannot_be_reached_is_one_line_naming_it(capsys):
         cli.guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug in gs://bucket/run's reader")))
 
 
+def test_a_local_time_out_is_not_called_a_remote_path():
+    """Orbax's save finalize times out on a local disk too (a process stopped for longer than its 1200 s): that
+    error keeps its traceback; a time-out naming a remote path is still one line."""
+    from sweet_jax.errors import remote_unreachable
+
+    local = TimeoutError("ChainedFuture completed 3/5 futures but timed out after 2473.48 seconds.")
+    local.__cause__ = TimeoutError("Thread write_metadata_after_commits did not complete within 1200 seconds.")
+    assert remote_unreachable(local) is None
+    assert remote_unreachable(ConnectionRefusedError("[Errno 111] Connection refused")) is None
+    remote = remote_unreachable(TimeoutError("reading gs://bucket/run/checkpoints timed out after 60 s"))
+    assert remote is not None and remote.startswith("cannot reach gs://bucket/run/checkpoints: ")
+
+
 @pytest.mark.slow
 def test_training_into_a_gs_path_without_network_is_one_line(tmp_path):
     """No network: the proxy's own name does not resolve (a .invalid name), so no request reaches storage. It was a
