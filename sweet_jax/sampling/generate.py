@@ -10,7 +10,7 @@ How a batch runs:
    length W (few distinct shapes, few compiles; bucket_prompt). The decode's prompt width P >= S + W is coarser
    (bucket_length: fewer decode programs); the slots between are masked.
 2. Prefill (jit): the prompts fill a fresh heads-major cache (keys [B, kv_heads, head_dim, slots], values
-   [B, kv_heads, slots, head_dim]; Llama.init_cache) of P slots: the shared prefix runs once, on one row, and
+   [B, kv_heads, slots, head_dim]; Llama.init_cache) of S + W slots: the shared prefix runs once, on one row, and
    its K/V are copied to every row; the rest runs on all rows, attending to it. The logits of each prompt's
    last token are kept. The prompt rows are then gathered into sample rows (n per prompt), so n samples of
    one prompt share its prefill.
@@ -343,8 +343,8 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
     S = prefix_ids_1S.shape[1]
     B, W = input_ids_BW.shape
     N = sample_row_N.shape[0]
-    # Slots past the prompt are marked valid up front: causality (slot <= cache_pos + i) hides them until
-    # they are written, so the same mask serves prefill and every decode step.
+    # Slots past the prompt and its gap are marked valid up front: causality (slot <= cache_pos + i) hides them
+    # until they are written, so the same mask serves prefill and every decode step.
     cache_mask_BL = jnp.concatenate([jnp.ones((B, S), prompt_mask_BW.dtype), prompt_mask_BW,
                                      jnp.zeros((B, gap), prompt_mask_BW.dtype),
                                      jnp.ones((B, max_len - S - W - gap), prompt_mask_BW.dtype)], axis=1)
@@ -835,7 +835,7 @@ class Sampler(BaseSampler):
                 still = batch_rows.decoding(done | newly_done)
                 rows_now = len(batch_rows.live)
                 M = max(bucket_rows(len(still), self._batch_shards), min_rows)
-                if M < rows_now:
+                if M < rows_now:   # fetched again: the done flags set just above are in the outputs kept
                     index, idle = batch_rows.shrink(fetch(outputs), still, M)
                     carry, rows = self._take_fn(carry, rows, put(index), put(idle))
                     row_steps, segment_start = row_steps + rows_now * (step - segment_start), step
