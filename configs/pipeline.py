@@ -163,6 +163,7 @@ def get_config(preset: str = "demo"):
     c.select = ml_collections.ConfigDict()
     c.select.lrs = ""                 # comma-separated learning rates, e.g. "3e-6,1e-5,3e-5"
     c.select.steps = ""               # comma-separated step counts, e.g. "8,16,32"
+    c.select.method_lrs = ""          # "method:lr,...": the named methods train at that one lr instead of select.lrs
     c.select.frozen = ""
 
     # Iterative SWEET-RL (method sweet_iterative, an option beyond the paper): rounds 2..rounds each collect the
@@ -302,14 +303,18 @@ def get_config(preset: str = "demo"):
             # task draws by run seed, 100 held-out tasks x 2 episodes a method and seed, 48 validation tasks x 2
             # episodes a grid cell, the paper's methods and the oracle-ranked control, SWEET-RL's pairs as the
             # official recipe (every turn of the first 10% of the offline episodes in the official file's order, 16
-            # candidates, 4 pairs a turn with replacement); lrs 3e-6, 1e-5 and steps 8, 16 chosen on seed 0.
+            # candidates, 4 pairs a turn with replacement). Each method's learning rate is the one the first
+            # protocol chose for it on validation (docs/results.md: 1e-5 for RFT and multi-turn DPO, 3e-6 for every
+            # step-level DPO), and each seed chooses between 8 and 16 steps on its own validation tasks (the
+            # revision of 2026-12-02, docs/discovery.md: a seed then fits one session of the 2-core machine).
             c.methods = ",".join(METHODS + ("sweet_oracle",))
             c.tasks.draw = "seeded"
             c.tasks.num_train = 64
             c.tasks.num_validation = 48
             c.tasks.num_heldout = 100
             c.eval.samples = 2
-            c.select.lrs = "3e-6,1e-5"
+            c.select.lrs = ""
+            c.select.method_lrs = "rft:1e-5,mtdpo:1e-5,sweet_no_info:3e-6,sweet:3e-6,sweet_oracle:3e-6"
             c.select.steps = "8,16"
             official_ranking(c.rank)
             if preset == "smollm2_discovery":

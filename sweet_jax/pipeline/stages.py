@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import platform
 import pathlib
 import random
 import resource
@@ -35,7 +36,7 @@ from sweet_jax.data.tokenizers import end_of_turn_ids, load_tokenizer
 from sweet_jax.envs import families
 from sweet_jax.envs.frontend import FrontendTrack, frontend_evaluation, scripted_design_trajectories
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
-from sweet_jax.models import Llama, LlamaConfig, save_hf
+from sweet_jax.models import Llama, LlamaConfig, cpu_matmul, save_hf
 from sweet_jax.pipeline.inputs import PipelineError, check_init_run, check_inputs, read_selection
 from sweet_jax.rl import diagnostics as diagnostics_lib, episodes, ranking, results as results_lib
 from sweet_jax.rl.episodes import agent_prompt_for, summarize
@@ -158,12 +159,25 @@ class Run:
         # CPU seconds and load averages beside the wall time: on a shared machine the wall time alone says
         # little; cpu_seconds / cores is the idle machine's wall time, roughly. costs: where the seconds went.
         record = {"stage": name, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
-                  "load_average": [load0, os.getloadavg()[0]], "costs": costs.snapshot(), "summary": summary}
+                  "load_average": [load0, os.getloadavg()[0]], "host": host_record(), "costs": costs.snapshot(),
+                  "summary": summary}
         marker.write_text(json.dumps(record, indent=2) + "\n")
         log.info("stage %-14s done in %.0f s (%.0f CPU s, load %.1f -> %.1f): %s", name, seconds,
                  record["cpu_seconds"], *record["load_average"], _short(summary))
         self.ran.append(name)
         return summary
+
+
+def host_record() -> dict:
+    """The machine a stage ran on: its processor, bf16 matrix units (which decide the CPU's matmul precision,
+    models/cpu_matmul.py) and cores; a run resumed on another machine shows where each stage ran."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return {"processor": name or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "bf16_flags": list(cpu_matmul.cpu_bf16_flags()), "jax_backend": jax.default_backend()}
 
 
 def _cpu_seconds() -> float:
@@ -722,6 +736,11 @@ class Grid:
     lrs: list[float]
     steps: list[int]
     frozen: dict | None = None     # method -> {"lr", "step"}
+    method_lrs: dict = dataclasses.field(default_factory=dict)   # method -> its one learning rate (select.method_lrs)
+
+    @property
+    def all_lrs(self) -> list[float]:
+        return sorted(set(self.lrs) | set(self.method_lrs.values()))
 
     @property
     def total_steps(self) -> int:
@@ -732,7 +751,9 @@ class Grid:
         return self.frozen is None
 
     def lrs_of(self, method: str) -> list[float]:
-        return [self._choice(method)["lr"]] if self.frozen is not None else self.lrs
+        if self.frozen is not None:
+            return [self._choice(method)["lr"]]
+        return [self.method_lrs[method]] if method in self.method_lrs else self.lrs
 
     def steps_of(self, method: str) -> list[int]:
         return [self._choice(method)["step"]] if self.frozen is not None else self.steps
@@ -764,7 +785,28 @@ def selection_grid(config) -> Grid | None:
     if not config.tasks.get("num_validation"):
         raise PipelineError("config.select.steps needs validation tasks to choose on: set config.tasks.num_validation")
     lrs = numbers(s.lrs, float, "lrs") if s.lrs else []
-    return Grid(lrs, numbers(s.steps, int, "steps"))
+    return Grid(lrs, numbers(s.steps, int, "steps"), method_lrs=method_lrs_of(config))
+
+
+def method_lrs_of(config) -> dict[str, float]:
+    """config.select.method_lrs, "method:lr,...": the one learning rate each named method trains at (its checkpoints
+    still chosen on validation), in place of select.lrs."""
+    text = config.select.get("method_lrs", "")
+    out = {}
+    for item in [x.strip() for x in str(text).split(",") if x.strip()]:
+        method, _, lr = item.partition(":")
+        where = f"config.select.method_lrs={text!r}: {item!r}"
+        if method.strip() not in ALL_METHODS or method.strip() in ("zero_shot", "sweet_iterative"):
+            raise PipelineError(f"{where}: {method.strip()!r} is not a trained method (one of "
+                                f"{', '.join(m for m in ALL_METHODS if m not in ('zero_shot', 'sweet_iterative'))})")
+        try:
+            value = float(lr)
+        except ValueError:
+            raise PipelineError(f"{where}: expected method:learning_rate, e.g. sweet:3e-6") from None
+        if value <= 0:
+            raise PipelineError(f"{where}: the learning rate must be positive")
+        out[method.strip()] = value
+    return out
 
 
 def choose(results: dict) -> dict:
@@ -910,9 +952,20 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                 s["rank_balanced"] = run.stage("rank_balanced", "rank_balanced", lambda d: stage_rank(
                     run, d, policy_hf, s["critic"]["hf"], traj, cands_balanced, use_info=True, balanced=True))
         hf = {"zero_shot": policy_hf}
+        played: dict[str, str] = {}   # policy -> the first method whose evaluation played it
+
+        def evaluate(m):
+            # each method's held-out play as soon as its policy is chosen, so that a run stopped between methods
+            # keeps every finished method's result (its seed does not depend on the order)
+            first = played.setdefault(hf[m], m)
+            s[f"eval_{m}"] = run.stage(f"eval_{m}", f"eval/{m}", lambda d: stage_eval(
+                run, d, hf[m], m) if first == m else stage_eval_copy(run, d, first, s[f"eval_{first}"], m))
+
         if grid is not None and grid.validate and "zero_shot" in methods:
             s["valid_zero_shot"] = run.stage("valid_zero_shot", "valid/zero_shot", lambda d: stage_eval(
                 run, d, policy_hf, "zero_shot", split="validation"))
+        if "zero_shot" in methods:
+            evaluate("zero_shot")
         selection = {}
         for m in methods:
             if m in ("zero_shot", "sweet_iterative"):
@@ -923,6 +976,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                 s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
                     run, d, m, policy_hf, trajectories=traj, pairs=p))
                 hf[m] = s[f"policy_{m}"]["hf"]
+                evaluate(m)
                 continue
             runs = {}
             for lr in grid.lrs_of(m) or [policy_train_config(run, m, policy_hf).optim.lr]:
@@ -933,6 +987,7 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
             if not grid.validate:
                 choice = grid.frozen[m]
                 hf[m] = runs[choice["lr"]][str(choice["step"])]
+                evaluate(m)
                 continue
             curve = {}
             for lr, by_step in runs.items():
@@ -945,17 +1000,15 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                                                "turns_per_episode": v["turns_per_episode"]}
             selection[m] = {"curve": curve, "choice": choose(curve)}
             hf[m] = runs[selection[m]["choice"]["lr"]][str(selection[m]["choice"]["step"])]
+            write_selection(run, grid, selection, s.get("valid_zero_shot"))
+            evaluate(m)
         if "sweet_iterative" in methods:
             hf["sweet_iterative"], rounds = iterate_sweet(run, s, grid, selection, hf["sweet"], traj)
             if rounds is not None:
                 selection["sweet_iterative"] = rounds
+            evaluate("sweet_iterative")
         if selection:
             write_selection(run, grid, selection, s.get("valid_zero_shot"))
-        played: dict[str, str] = {}   # policy -> the first method whose evaluation played it
-        for m in methods:
-            first = played.setdefault(hf[m], m)
-            s[f"eval_{m}"] = run.stage(f"eval_{m}", f"eval/{m}", lambda d, m=m, first=first: stage_eval(
-                run, d, hf[m], m) if first == m else stage_eval_copy(run, d, first, s[f"eval_{first}"], m))
         s["report"] = run.stage("report", "report", lambda d: stage_report(run, d, s, methods))
     finally:
         run.close()
@@ -1085,7 +1138,7 @@ def _concatenate(paths: Sequence[str], out: pathlib.Path) -> pathlib.Path:
 
 def write_selection(run: Run, grid: Grid, selection: dict, zero_shot: dict | None) -> None:
     """workdir/selection.json: every method's validation curve and choice (what select.frozen reads)."""
-    record = {"lrs": grid.lrs, "steps": grid.steps, "seed": run.config.seed,
+    record = {"lrs": grid.all_lrs, "steps": grid.steps, "method_lrs": grid.method_lrs, "seed": run.config.seed,
               "validation_tasks": run.config.tasks.num_validation, "episodes_per_task": run.config.eval.samples,
               "zero_shot": None if zero_shot is None else {k: zero_shot[k] for k in ("success_rate",
                                                                                      "tests_passed_pct")},
