@@ -1,14 +1,16 @@
 """The sampler's padding cuts against what it ran before, on a pipeline stage's real prompts: decode compaction
-(the rows still decoding moved into a smaller batch) and the prefill's finer prompt widths (bucket_prompt).
+(the rows still decoding moved into a smaller batch), the prefill's finer prompt widths (bucket_prompt) and the
+prompt cache (a turn's prompt prefilled from the previous turn's stored K/V, generate.PromptCache).
 
     python bench/bench_compaction.py --model RUN/init/policy_hf --episodes RUN/offline/trajectories.jsonl
 
 Replays a pipeline stage's sampling: the recorded episodes' agent turns (each assistant message's rendered
 `input`), one call per turn of a wave of --wave episodes, as the rollout asks the policy (temperature 1.0,
---max-new tokens, batches of --batch rows, seeds as SamplerPolicy draws them). One process, one Sampler, three
+--max-new tokens, batches of --batch rows, seeds as SamplerPolicy draws them). One process, one Sampler, four
 ways: `before` (compact_every 0: the batch decodes until its last row ends; prompts prefilled at power-of-two
 widths, as bucket_length), `compacted` (compact_every --every), `compacted + widths` (and bucket_prompt's
-widths, today's sampler). A warm-up pass of each way (compilation), then --repeats timed passes of each,
+widths), `+ prompt cache` (and --prompt-cache-mb of stored prompts, emptied before each pass: the smollm2
+presets' sampler). A warm-up pass of each way (compilation), then --repeats timed passes of each,
 alternating. Printed per way: prefill and decode seconds (the best pass), positions and row-steps run against
 the real tokens, and whether it gave the tokens of `before` (log-probs: the largest difference). --sweep also times one decode step at each batch size (rows decoding 64 steps, eos
 ignored): what a step costs as the batch shrinks.
@@ -36,7 +38,7 @@ def turn_calls(path: str, wave: int, waves: int) -> list[list[str]]:
     return calls
 
 
-WAYS = ("before", "compacted", "compacted + widths")
+WAYS = ("before", "compacted", "compacted + widths", "+ prompt cache")
 
 
 def run_pass(sampler, calls, args, way: str, fine_widths):
@@ -46,7 +48,9 @@ def run_pass(sampler, calls, args, way: str, fine_widths):
     from sweet_jax.sampling.generate import Request, SamplingParams
 
     sampler.compact_every = 0 if way == "before" else args.every
-    generate.bucket_prompt = fine_widths if way == "compacted + widths" else generate.bucket_length
+    fine = way in ("compacted + widths", "+ prompt cache")
+    generate.bucket_prompt = fine_widths if fine else generate.bucket_length
+    sampler.prompt_cache = generate.PromptCache(args.prompt_cache_mb << 20) if way == "+ prompt cache" else None
     costs.reset()
     start = time.perf_counter()
     out = []
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "xla", "xla_bf16", "onednn"])
+    parser.add_argument("--prompt-cache-mb", type=int, default=2048)
     parser.add_argument("--sweep", default="", help="comma-separated batch sizes: seconds a decode step at each")
     args = parser.parse_args()
 

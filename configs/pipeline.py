@@ -285,6 +285,9 @@ def get_config(preset: str = "demo"):
         c.model.attention_impl = "auto"   # blocked on CPU, recomputed in the backward: no [B, N, T, T] kept
         # KV cache: 46 KB per token slot per row for this model; 32 rows x (512 + 96) slots stay under 1 GB
         c.train.max_batch_size = 32
+        # each turn of an episode prefills only what the previous turn's prompt did not hold (2 GB: the prompts
+        # of ~100 dialogues of 400 tokens; BENCHMARKS.md, "The sampler's padding")
+        c.policy.prompt_cache_mb = 2048
         if preset == "smollm2_select":
             # The protocol of README/docs/results.md "How settings are chosen": the same starting policy, offline episodes and
             # critics as smollm2; every trained method's (lr, steps) chosen on 32 validation tasks on seed 0 and

@@ -193,6 +193,9 @@ def policy_config() -> ml_collections.ConfigDict:
     settings, declared and defaulted here only."""
     c = ml_collections.ConfigDict()
     c.backend = "in_process"      # in_process | openai: an OpenAI-compatible engine (vLLM, SGLang, sweet_jax.serve)
+    # in_process: the K/V of prefilled prompts kept on the host up to this many MB, so that a dialogue's next
+    # turn prefills only its new tokens (generate.PromptCache; pays on a CPU, where host memory is the device's)
+    c.prompt_cache_mb = 0
     c.openai = openai_config()
     return c
 

@@ -15,7 +15,7 @@ from sweet_jax.data.pairs import gap_pairs
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The run is one fixture: browsers + every stage, on a shared 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-STAGES = ["tasks", "init", "offline", "critic", "candidates", "rank", "policy_sweet", "eval_zero_shot", "eval_sweet",
+STAGES = ["tasks", "init", "offline", "critic", "candidates", "rank", "eval_zero_shot", "policy_sweet", "eval_sweet",
           "report"]
 
 

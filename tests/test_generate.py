@@ -558,3 +558,82 @@ def test_sharded_compaction_gives_the_unsharded_samples(hf_dir, sampler):
     whole = Sampler(sampler.model, sampler.tokenizer, compact_every=0)
     requests = compaction_requests(seed=5)
     assert_same_samples(sharded.generate_requests(requests), whole.generate_requests(requests))
+
+
+def dialogue_turns(sampler, seed):
+    """Four dialogues of two turns: a shared system prompt and a task each, then each first sample and a user
+    reply appended (the rollout's next-turn prompts)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(10, 256, 40).tolist()
+    first = [system + rng.integers(10, 256, n).tolist() for n in (30, 45, 52, 61)]
+    kwargs = dict(max_new_tokens=12, temperature=1.0, n=2, seed=5, ignore_eos=True)
+    replies = sampler.generate(first, **kwargs)
+    second = [p + g[0].token_ids + rng.integers(10, 256, 7 + i).tolist()
+              for i, (p, g) in enumerate(zip(first, replies))]
+    return first, second, kwargs
+
+
+def test_a_dialogues_next_turn_prefills_only_its_new_tokens_with_the_same_samples(tmp_path):
+    """With the prompt cache, turn 2 starts from turn 1's stored K/V: its prefill runs only the reply and the new
+    user message (a narrower width, fewer positions) and gives the samples of the whole prefill, and its greedy
+    tokens are transformers'."""
+    hf_dir = make_hf_llama(tmp_path, "llama31", vocab_size=256, seed=3)
+    model = load_hf(hf_dir)
+    plain = Sampler(model, min_shared_prefix=16)
+    cached = Sampler(model, min_shared_prefix=16, prompt_cache_mb=64, min_cached_prefix=16)
+    first, second, kwargs = dialogue_turns(plain, seed=0)
+    assert_same_samples(cached.generate(first, **kwargs), plain.generate(first, **kwargs))
+    assert len(cached.prompt_cache.entries) == 4
+    costs.reset()
+    want = plain.generate(second, **kwargs)
+    plain_positions = costs.snapshot()["sample_prompt_padded_tokens"]
+    costs.reset()
+    got = cached.generate(second, **kwargs)
+    cached_positions = costs.snapshot()["sample_prompt_padded_tokens"]
+    assert cached.prompt_cache.hits == 4
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    for g, w, prompt in zip(got, want, second):
+        for s, t in zip(g, w):
+            np.testing.assert_allclose(s.logprobs, t.logprobs, rtol=0, atol=2e-5)
+            np.testing.assert_allclose(s.logprobs, teacher_forced_logprobs(model, prompt, s.token_ids), atol=2e-4)
+    assert cached_positions == 4 * 32 and plain_positions == 32 + 4 * 128, (cached_positions, plain_positions)
+    greedy = cached.generate(second, max_new_tokens=10, temperature=0.0)   # turn 2 stored too: a third turn's hit
+    assert [s[0].token_ids for s in greedy] == hf_greedy(hf_dir, second, max_new_tokens=10, pad_id=0)
+
+
+def test_the_prompt_cache_keeps_the_longest_prefix_within_its_bytes_and_forgets_other_weights(hf_dir, tokenizer):
+    from sweet_jax.sampling.generate import PromptCache
+
+    store = PromptCache(max_bytes=3000)
+    k, v = np.ones((2, 1, 4, 10), np.float32), np.ones((2, 1, 10, 4), np.float32)   # 640 bytes a prompt
+    store.put(list(range(10)), k, v)
+    store.put(list(range(20)), np.ones((2, 1, 4, 20), np.float32), np.ones((2, 1, 20, 4), np.float32))
+    assert store.longest(list(range(30)), minimum=1)[0] == 20
+    assert store.longest(list(range(20)), minimum=1)[0] == 10     # a proper prefix only: one token left to run
+    assert store.longest(list(range(20)), minimum=11) is None
+    assert store.longest([0, 1, 2, 9] + list(range(4, 30)), minimum=1) is None   # the tokens must match
+    for start in (100, 200, 300):                                  # over the bytes: the least recently used leaves
+        store.put(list(range(start, start + 10)), k, v)
+    assert store.bytes <= 3000 and store.longest(list(range(30)), minimum=1)[0] == 10
+    store.put(list(range(400, 410)), k, v)
+    assert store.longest(list(range(30)), minimum=1)[0] == 10       # used last: kept; range(100, 110) left
+    assert store.longest(list(range(100, 120)), minimum=1) is None
+    sampler = Sampler(load_hf(hf_dir), tokenizer, prompt_cache_mb=8, min_cached_prefix=4)
+    sampler.generate([sampler.encode("The sum of two numbers")], max_new_tokens=4, temperature=0.0)
+    assert sampler.prompt_cache.entries
+    sampler.set_params(load_hf(hf_dir))                            # another policy: its own K/V
+    assert not sampler.prompt_cache.entries and sampler.prompt_cache.bytes == 0
+
+
+def test_sharded_prompt_cache_gives_the_unsharded_samples(hf_dir, sampler):
+    from sweet_jax.sharding import make_mesh
+
+    mesh = make_mesh((2, 2, 2))
+    sharded = Sampler(load_hf(hf_dir, mesh=mesh), sampler.tokenizer, mesh=mesh, min_shared_prefix=16,
+                      prompt_cache_mb=64, min_cached_prefix=16)
+    plain = Sampler(sampler.model, sampler.tokenizer, min_shared_prefix=16)
+    first, second, kwargs = dialogue_turns(plain, seed=2)
+    sharded.generate(first, **kwargs)
+    got, want = sharded.generate(second, **kwargs), plain.generate(second, **kwargs)
+    assert sharded.prompt_cache.hits == 4
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]

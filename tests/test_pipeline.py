@@ -6,6 +6,7 @@ import os
 import pathlib
 import random
 import re
+import shutil
 import subprocess
 import sys
 
@@ -19,8 +20,8 @@ from draws import assert_mostly_identical, assert_same_draws
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STAGES = ["tasks", "init", "offline", "critic", "critic_no_info", "candidates", "rank", "rank_no_info",
-          "policy_rft", "policy_mtdpo", "policy_sweet_no_info", "policy_sweet", "eval_zero_shot", "eval_rft",
-          "eval_mtdpo", "eval_sweet_no_info", "eval_sweet", "report"]
+          "eval_zero_shot", "policy_rft", "eval_rft", "policy_mtdpo", "eval_mtdpo", "policy_sweet_no_info",
+          "eval_sweet_no_info", "policy_sweet", "eval_sweet", "report"]
 POLICY_DIRS = {"rft": "policies/rft/hf", "mtdpo": "policies/mtdpo/hf", "sweet_no_info": "policies/sweet_no_info/hf",
                "sweet": "policies/sweet/hf"}
 
@@ -194,6 +195,33 @@ def test_rerun_skips_every_completed_stage(workdir):
     assert ran == [] and skipped == STAGES
     assert [p.stat().st_mtime_ns for p in watched] == before
     assert "| SWEET-RL |" in proc.stdout   # the table is printed again
+
+
+def test_a_run_goes_on_from_its_carried_state_on_a_new_machine(workdir, tmp_path):
+    """The finished run's small state as a run stopped after SWEET-RL's training left it, restored into an empty
+    workdir (another path): the starting policy and SWEET-RL's policy are trained again (their plays are still to
+    run), no critic (their rankings are done) and no other policy (their plays are done); SWEET-RL's held-out
+    episodes are the uninterrupted run's."""
+    from sweet_jax.pipeline import carry
+    state = tmp_path / "state"
+    carry.save(workdir, state)
+    assert not list(state.rglob("*.safetensors")) and not list(state.rglob("checkpoints"))
+    assert (state / "report/done.json").exists() and (state / "evidence/stages.json").exists()
+    for gone in ("eval/sweet", "report", "evidence"):
+        shutil.rmtree(state / gone)
+    for gone in ("results.json", "results.md", "results.png"):
+        (state / gone).unlink(missing_ok=True)
+    new = tmp_path / "new_machine" / "run"
+    proc = run_cli(new, f"--carry={state}", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ran, skipped = stages_line(proc.stdout)
+    assert ran == ["init", "policy_sweet", "eval_sweet", "report"]
+    assert skipped == [x for x in STAGES if x not in ran]
+    assert read_jsonl(new / "eval/sweet/trajectories.jsonl") == read_jsonl(workdir / "eval/sweet/trajectories.jsonl")
+    assert read_jsonl(new / "rank/pairs.jsonl") == read_jsonl(workdir / "rank/pairs.jsonl")
+    assert json.loads((new / "offline/done.json").read_text())["summary"]["trajectories"] == str(
+        new / "offline/trajectories.jsonl")     # the records' paths moved to the new workdir
+    assert (state / "eval/sweet/done.json").exists() and (state / "results.json").exists()   # saved back
 
 
 @pytest.mark.slow

@@ -25,6 +25,10 @@ skipped, so rerunning the command resumes an interrupted run):
                  simulator and the sandbox): success rate and % tests passed.
   report         results.json, results.md (the paper's table) and results.png (bar chart).
 
+--carry DIR keeps the run's small state (its finished stages' files but the models) in DIR too, after each
+stage, and restores it into a new workdir first: on another machine the run goes on, training again only the
+models a stage still to run needs (sweet_jax/pipeline/carry.py).
+
 Where the policy samples (offline, candidates, eval_*): config.policy.backend = in_process, or openai = an
 inference engine (vLLM, SGLang, python -m sweet_jax.serve) started for each policy from config.policy.openai.command
 after its export, or running at config.policy.openai.base_urls (sweet_jax/sampling/policy_backend.py).
@@ -47,7 +51,8 @@ def main(argv):
     config_utils.check_inputs(FLAGS.config, config_utils.PIPELINE_PATH_FIELDS)
     from sweet_jax.pipeline.stages import run_pipeline  # after the flags: --help in a second
     logging.getLogger("sweet_jax.data").setLevel(logging.WARNING)  # every stage renders data: its counts, once
-    summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change)
+    summaries = run_pipeline(FLAGS.config, FLAGS.workdir, accept_config_change=FLAGS.accept_config_change,
+                             carry_dir=FLAGS.carry or None)
     print(pathlib.Path(summaries["report"]["table"]).read_text(), flush=True)
     print(f"stages run: {', '.join(summaries['_ran']) or 'none'}; skipped (already done): "
           f"{', '.join(summaries['_skipped']) or 'none'}", flush=True)
@@ -57,6 +62,8 @@ def define_flags():
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
                                     "pipeline config (file:preset)", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
+    flags.DEFINE_string("carry", "", "a second directory for the run's small state (all but the models), saved "
+                        "after each stage and restored first: the run resumes on another machine (docs/pipeline.md)")
     cli.define_accept_config_change("WORKDIR/pipeline_config_changes.jsonl")
     flags.mark_flags_as_required(["workdir"])
 

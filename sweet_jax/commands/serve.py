@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", action="store_true",
                         help="compile every prompt bucket's one-row program before serving (no first-request compile)")
     parser.add_argument("--warmup-max-prompt", type=int, default=1024, help="longest prompt bucket --warmup compiles")
+    parser.add_argument("--prompt-cache-mb", type=int, default=0,
+                        help="keep prompts' K/V on the host up to this many MB: a conversation's next request "
+                             "prefills only its new tokens (0 = off; pays on a CPU)")
     args = parser.parse_args(argv)
 
     try:
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         cli.require_path("--tokenizer", args.tokenizer, directory=True)
     from sweet_jax.sampling.server import OpenAIApp, OpenAIServer, load_model_sampler  # after the flags (--help)
     sampler = load_model_sampler(args.model, tokenizer=args.tokenizer, dtype=args.dtype, mesh_shape=mesh_shape,
-                                 max_batch_size=args.max_batch_size)
+                                 max_batch_size=args.max_batch_size, prompt_cache_mb=args.prompt_cache_mb)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = OpenAIApp(sampler, model_name=name, max_batch_size=args.max_batch_size,
                     batch_window_s=args.batch_window_ms / 1000)

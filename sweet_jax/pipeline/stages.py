@@ -37,6 +37,7 @@ from sweet_jax.envs import families
 from sweet_jax.envs.frontend import FrontendTrack, frontend_evaluation, scripted_design_trajectories
 from sweet_jax.jsonl import write as write_jsonl   # atomic: a crash never leaves half a stage's file
 from sweet_jax.models import Llama, LlamaConfig, cpu_matmul, save_hf
+from sweet_jax.pipeline import carry
 from sweet_jax.pipeline.inputs import PipelineError, check_init_run, check_inputs, read_selection
 from sweet_jax.rl import diagnostics as diagnostics_lib, episodes, ranking, results as results_lib
 from sweet_jax.rl.episodes import agent_prompt_for, summarize
@@ -66,6 +67,7 @@ class Run:
     starting_policy: str = ""   # the init stage's policy_hf
     skipped: list = dataclasses.field(default_factory=list)
     ran: list = dataclasses.field(default_factory=list)
+    carry_dir: pathlib.Path | None = None   # --carry: the run's small state copied there after each stage (carry.py)
 
     @property
     def tokenizer_dir(self) -> str:
@@ -141,14 +143,26 @@ class Run:
             self._evaluator.__exit__(None, None, None)
             self._evaluator = None
 
-    def stage(self, name: str, directory: str, fn: Callable[[pathlib.Path], dict]) -> dict:
-        """Run fn(dir) unless dir/done.json exists; return (and store) its summary."""
+    def stage(self, name: str, directory: str, fn: Callable[[pathlib.Path], dict], *,
+              consumers: Sequence[str] | None = None) -> dict:
+        """Run fn(dir) unless dir/done.json exists; return (and store) its summary.
+
+        A finished stage whose outputs (the paths under its directory that its summary names) are gone, as on a
+        new machine that restored the run's small state (carry.py), runs again unless every stage that reads them
+        has finished: consumers, their directories (None: any stage may read them, so it always runs again)."""
         d = self.path(directory)
         marker = d / DONE
         if marker.exists():
-            log.info("stage %-14s skipped: %s exists", name, marker)
-            self.skipped.append(name)
-            return json.loads(marker.read_text())["summary"]
+            summary = json.loads(marker.read_text())["summary"]
+            gone = [p for p in paths_under(summary, d) if not p.exists()]
+            waiting = [c for c in (consumers or ()) if not self.path(c, DONE).exists()]
+            if not gone or (consumers is not None and not waiting):
+                log.info("stage %-14s skipped: %s exists", name, marker)
+                self.skipped.append(name)
+                return summary
+            log.info("stage %-14s runs again: its outputs are gone (%s) and %s still needs them", name,
+                     os.path.relpath(gone[0], self.workdir), ", ".join(waiting) or "a later stage")
+            shutil.rmtree(d)
         d.mkdir(parents=True, exist_ok=True)
         log.info("stage %-14s running in %s", name, d)
         costs.listen_to_compiles()
@@ -165,7 +179,21 @@ class Run:
         log.info("stage %-14s done in %.0f s (%.0f CPU s, load %.1f -> %.1f): %s", name, seconds,
                  record["cpu_seconds"], *record["load_average"], _short(summary))
         self.ran.append(name)
+        if self.carry_dir is not None:
+            carry.save(self.workdir, self.carry_dir)
         return summary
+
+
+def paths_under(summary, directory: pathlib.Path) -> list[pathlib.Path]:
+    """The paths under a stage's directory that its summary names: its outputs (a policy, a critic, a file); a
+    path elsewhere (the policy an evaluation played) is another stage's."""
+    if isinstance(summary, dict):
+        return [p for v in summary.values() for p in paths_under(v, directory)]
+    if isinstance(summary, list):
+        return [p for v in summary for p in paths_under(v, directory)]
+    if isinstance(summary, str) and summary.startswith(str(directory) + os.sep):
+        return [pathlib.Path(summary)]
+    return []
 
 
 def host_record() -> dict:
@@ -902,9 +930,11 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
 # The run
 # ==========================================================================================================
 
-def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False) -> dict:
+def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_change: bool = False,
+                 carry_dir=None) -> dict:
     """Every stage in order, skipping the finished ones. Returns the stage summaries (and 'report').
     accept_config_change: go on in a workdir whose finished stages used another config (recorded).
+    carry_dir: the run's small state is restored from there first and saved there after each stage (carry.py).
     Relative paths (the workdir, the config's) are taken from the working directory, and recorded absolute."""
     config = absolute_paths(config, PIPELINE_PATH_FIELDS)
     check_ranges(config, PIPELINE_RANGES, PipelineError)
@@ -918,8 +948,11 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
     grid = selection_grid(config)
     workdir = pathlib.Path(absolute_path(os.fspath(workdir)))
     workdir.mkdir(parents=True, exist_ok=True)
+    if carry_dir is not None:
+        carry_dir = pathlib.Path(absolute_path(os.fspath(carry_dir)))
+        carry.restore(carry_dir, workdir)
     _check_same_config(config, workdir, accept_change=accept_config_change)
-    run = Run(config, workdir)
+    run = Run(config, workdir, carry_dir=carry_dir)
     s: dict[str, Any] = {}
     try:
         s["tasks"] = run.stage("tasks", "tasks", lambda d: stage_tasks(run, d))
@@ -928,10 +961,13 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         s["offline"] = run.stage("offline", "offline", lambda d: stage_offline(run, d, policy_hf))
         traj = s["offline"]["trajectories"]
         needs = {"critic": "sweet" in methods, "critic_no_info": "sweet_no_info" in methods}
+        readers = {"critic": ["rank"] + (["rank_balanced"] if "sweet_balanced" in methods else []),
+                   "critic_no_info": ["rank_no_info"]}
         for name, use_info in (("critic", True), ("critic_no_info", False)):
             if needs[name]:
                 s[name] = run.stage(name, name, lambda d, u=use_info: stage_critic(run, d, policy_hf, traj,
-                                                                                   use_info=u))
+                                                                                   use_info=u),
+                                    consumers=readers[name])
         if any(needs.values()) or "sweet_oracle" in methods:
             s["candidates"] = run.stage("candidates", "candidates",
                                         lambda d: stage_candidates(run, d, policy_hf, traj))
@@ -972,17 +1008,21 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
                 continue
             pairs = s.get({"sweet": "rank", "sweet_balanced": "rank_balanced", "sweet_oracle": "rank_oracle"}.get(
                 m, "rank_no_info"), {}).get("file", "")
+            # iterative SWEET-RL's rounds start from SWEET-RL's policy: kept whenever it is gone
+            later = None if m == "sweet" and "sweet_iterative" in methods else [f"eval/{m}"]
             if grid is None:
                 s[f"policy_{m}"] = run.stage(f"policy_{m}", f"policies/{m}", lambda d, m=m, p=pairs: stage_policy(
-                    run, d, m, policy_hf, trajectories=traj, pairs=p))
+                    run, d, m, policy_hf, trajectories=traj, pairs=p), consumers=later)
                 hf[m] = s[f"policy_{m}"]["hf"]
                 evaluate(m)
                 continue
             runs = {}
             for lr in grid.lrs_of(m) or [policy_train_config(run, m, policy_hf).optim.lr]:
                 name = f"policy_{m}_lr{lr:g}"
+                cells = [] if not grid.validate else [f"valid/{m}/lr{lr:g}_step{step}" for step in grid.steps_of(m)]
                 s[name] = run.stage(name, f"policies/{m}/lr{lr:g}", lambda d, m=m, p=pairs, lr=lr: stage_policy_grid(
-                    run, d, m, policy_hf, grid, lr, trajectories=traj, pairs=p))
+                    run, d, m, policy_hf, grid, lr, trajectories=traj, pairs=p),
+                    consumers=None if later is None else cells + later)
                 runs[lr] = s[name]["hf"]
             if not grid.validate:
                 choice = grid.frozen[m]
@@ -1012,6 +1052,8 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
         s["report"] = run.stage("report", "report", lambda d: stage_report(run, d, s, methods))
     finally:
         run.close()
+        if run.carry_dir is not None:   # an unfinished stage's partial files too (candidates resume from them)
+            carry.save(run.workdir, run.carry_dir)
     s["_ran"], s["_skipped"] = run.ran, run.skipped
     return s
 

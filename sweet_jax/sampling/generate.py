@@ -28,6 +28,12 @@ How a batch runs:
    end long before the longest one (short questions beside long answers). A row's draws depend only on its own
    key and step (fold_in), so it samples the same tokens in the smaller batch; its log-probs agree to float32
    rounding (a matmul over fewer rows may sum in another order).
+5. Prompt cache (`prompt_cache_mb`, off by default): after each prefill the prompts' K/V are copied to the host
+   (PromptCache, least recently used out). A later prompt that extends a stored one, as a dialogue's next turn
+   extends the previous turn's prompt with the reply and the user's answer, starts from it: the stored K/V fill
+   the first slots of its row (left-padded, their positions' RoPE already applied) and only the new tokens run
+   (_prefill_rows). A batch takes this way when every prompt has a stored prefix and it makes the prefill
+   narrower. The samples are those of the whole prefill (log-probs to float rounding).
 
 Where a decode step's time goes (CPU, batch 8, the 24M bench model): reading the weights (64 MB a step, half
 of it the unembedding) and the attended K/V; see BENCHMARKS.md "Sampler" for the roofline. Hence: no cache
@@ -66,7 +72,7 @@ from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul, positions_from_mask
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
-from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
+from sweet_jax.sharding import logical_to_spec, spec_for_shape
 from sweet_jax.train.model_loading import is_hf_checkpoint, is_training_run, load_model, load_tokenizer_for
 from sweet_jax.train.rundir import read_config
 
@@ -367,6 +373,43 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
     return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
 
 
+def _prefill_rows(graphdef, state, prefix_k_LBKHC, prefix_v_LBKCH, prefix_mask_BC, prefix_len_B, input_ids_BW,
+                  prompt_mask_BW, sample_row_N, *, max_len: int, width: int, gap: int, mesh):
+    """_prefill where each prompt row starts with K/V it already has (PromptCache: an earlier prompt of the same
+    dialogue): those fill slots [0, C) left-padded (prefix_mask), and only the rest of each prompt (input_ids,
+    left-padded) runs, at slots [C, C + W), from position prefix_len. The stored keys carry their positions' RoPE,
+    so a prompt continues exactly where its stored part ended."""
+    model = nnx.merge(graphdef, state)
+    B, W = input_ids_BW.shape
+    C = prefix_mask_BC.shape[1]
+    N = sample_row_N.shape[0]
+    cache_mask_BL = jnp.concatenate([prefix_mask_BC, prompt_mask_BW, jnp.zeros((B, gap), prompt_mask_BW.dtype),
+                                     jnp.ones((B, max_len - C - W - gap), prompt_mask_BW.dtype)], axis=1)
+    dtype = model.init_cache(1, 1)[0]["v_BKSH"].dtype
+
+    def widen(x, axis):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - C)
+        return jnp.pad(x.astype(dtype), pad)
+    cache = [{"k_BKHS": widen(prefix_k_LBKHC[i], 3), "v_BKSH": widen(prefix_v_LBKCH[i], 2)}
+             for i in range(prefix_k_LBKHC.shape[0])]
+    cache = _constrain_batch(cache, mesh, B)
+    positions_BW = prefix_len_B[:, None] + positions_from_mask(prompt_mask_BW)
+    hidden_BWD, cache = model.hidden_states(input_ids_BW, cache_mask_BL[:, :width], positions_BW, cache=cache,
+                                            cache_pos=jnp.int32(C))
+    logits_BV = _last_logits(model, hidden_BWD)
+    take = lambda x: x[sample_row_N] if hasattr(x, "ndim") and x.ndim and x.shape[0] == B else x
+    cache = _constrain_batch(jax.tree_util.tree_map(take, cache), mesh, N)
+    prompt_len_N = (prefix_len_B + jnp.sum(prompt_mask_BW, axis=1).astype(jnp.int32))[sample_row_N]
+    return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
+
+
+def _cache_rows(cache, rows_R):
+    """Rows of a cache stacked over layers: keys [layers, R, K, H, S], values [layers, R, K, S, H]."""
+    return (jnp.stack([layer["k_BKHS"][rows_R] for layer in cache]),
+            jnp.stack([layer["v_BKSH"][rows_R] for layer in cache]))
+
+
 def _grow_cache(cache, *, width: int, mesh):
     """The heads-major cache padded to `width` slots (once per decode window, between the windows' loops)."""
     def grow(x, axis):
@@ -450,11 +493,15 @@ class Sampler(BaseSampler):
                 prefill (shared_prefix_length); 0 turns the sharing off
     compact_every: every this many decode steps, the rows still decoding move into a smaller batch when they fit
                 one (a power of two, at least min_compact_rows rows); 0 turns compaction off
+    prompt_cache_mb: keep the K/V of prefilled prompts on the host, up to this many MB (PromptCache), so that a
+                prompt extending one of them (a dialogue's next turn) prefills only its new tokens; 0 = off
+    min_cached_prefix: the shortest stored prompt worth reusing (tokens)
     """
 
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
                  stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None,
-                 min_shared_prefix: int = 32, compact_every: int = 16, min_compact_rows: int = 4):
+                 min_shared_prefix: int = 32, compact_every: int = 16, min_compact_rows: int = 4,
+                 prompt_cache_mb: int = 0, min_cached_prefix: int = 64):
         if tokenizer is not None:
             check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
@@ -471,15 +518,18 @@ class Sampler(BaseSampler):
         self.min_shared_prefix = min_shared_prefix
         self.compact_every = compact_every
         self.min_compact_rows = min_compact_rows
+        self.prompt_cache = PromptCache(prompt_cache_mb << 20) if prompt_cache_mb > 0 else None
+        self.min_cached_prefix = min_cached_prefix
         self._seeds = np.random.default_rng(seed)
         self._batch_shards = 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])  # 'batch' axes
         self.eos_token_ids = tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else \
             self._default_eos_ids()
         self.pad_id = self._pad_id()
-        self._prefill_fns: dict[tuple[int, int, int], Any] = {}
+        self._prefill_fns: dict[tuple, Any] = {}
         self._decode_fns: dict[tuple[int, int, int], Any] = {}
         self._grow_fns: dict[int, Any] = {}
         self._take_fn = jax.jit(functools.partial(_take_rows, mesh=mesh))
+        self._cache_rows_fn = jax.jit(_cache_rows)
         self._unembed_fn = jax.jit(functools.partial(_split_unembedding, mesh=mesh))
 
     @property
@@ -499,6 +549,8 @@ class Sampler(BaseSampler):
     @state.setter
     def state(self, state) -> None:
         nnx.update(self.model, state)
+        if self.prompt_cache is not None:   # K/V of other weights
+            self.prompt_cache.clear()
 
     def set_params(self, params, *, seed: int | None = None) -> None:
         """Swap in new weights of the same architecture, keeping the compiled prefill/decode programs.
@@ -527,6 +579,8 @@ class Sampler(BaseSampler):
         if self.mesh is not None:
             state = jax.device_put(state, jax.tree_util.tree_map(lambda x: x.sharding, current))
         nnx.update(self.model, state)
+        if self.prompt_cache is not None:   # K/V of other weights
+            self.prompt_cache.clear()
         if seed is not None:
             self._seeds = np.random.default_rng(seed)
 
@@ -681,6 +735,18 @@ class Sampler(BaseSampler):
         longest = max(len(r.prompt_ids) for r in requests) - S
         W = bucket_prompt(longest)       # the prefill's width
         P = S + bucket_length(longest)   # the decode's prompt width (its new tokens start at slot P)
+        # Prompts that extend prompts prefilled before (PromptCache) start from their stored K/V when that makes
+        # the prefill narrower: slots [0, C) hold each row's stored part, left-padded, and the decode's prompt
+        # width stays a power of two (few decode programs)
+        stored = self._stored_prefixes(requests)
+        if stored is not None:
+            C = bucket_prompt(max(n for n, _, _ in stored))
+            new_longest = max(len(r.prompt_ids) - n for r, (n, _, _) in zip(requests, stored))
+            if bucket_prompt(new_longest) < W:
+                W = bucket_prompt(new_longest)
+                P = bucket_length(C + W)
+            else:
+                stored = None
         n_rows = sum(r.params.n for r in requests)
         N = bucket_rows(n_rows, self._batch_shards)
         max_new = max(r.params.max_new_tokens for r in requests)
@@ -690,8 +756,9 @@ class Sampler(BaseSampler):
         prefix_ids = np.asarray(requests[0].prompt_ids[:S], np.int32)[None]
         input_ids = np.full((B, W), self.pad_id, np.int32)
         prompt_mask = np.zeros((B, W), np.int32)
+        starts = [S] * B if stored is None else [stored[b if b < len(requests) else 0][0] for b in range(B)]
         for b in range(B):  # padding rows repeat the first prompt: an all-padding row would attend nothing
-            ids = requests[b if b < len(requests) else 0].prompt_ids[S:]
+            ids = requests[b if b < len(requests) else 0].prompt_ids[starts[b]:]
             input_ids[b, W - len(ids):] = ids
             prompt_mask[b, W - len(ids):] = 1
 
@@ -726,9 +793,24 @@ class Sampler(BaseSampler):
         # The prefill's cache holds exactly the prompt (its attention is then plain causal self-attention); it
         # grows to the first window before the first decode loop.
         with costs.timed("sample_prefill"):  # blocks on the prefill once a batch: the decode waits for it anyway
-            cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_fn(L, S + W, P - S - W)(
-                graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask), put(sample_row)))
-        costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in requests), prefix_ids.shape[1] + B * W)
+            if stored is None:
+                pre = S
+                cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_fn(L, S + W, P - S - W)(
+                    graphdef, state, put(prefix_ids, replicated=True), put(input_ids), put(prompt_mask),
+                    put(sample_row)))
+                run = prefix_ids.shape[1] + B * W
+            else:
+                pre = C
+                prefix_k, prefix_v, prefix_mask = self._stored_rows(stored, B, C)
+                cache, logits, prompt_len, cache_mask = jax.block_until_ready(self._prefill_rows_fn(
+                    L, C + W, P - C - W)(graphdef, state, put(prefix_k, axis=1), put(prefix_v, axis=1),
+                                         put(prefix_mask), put(np.asarray(starts, np.int32)), put(input_ids),
+                                         put(prompt_mask), put(sample_row)))
+                run = B * W
+            if self.prompt_cache is not None:
+                self._store_prompts(requests, cache, starts, pre, W)
+        costs.tokens("sample_prompt", sum(len(r.prompt_ids) - (0 if stored is None else n)
+                                          for r, (n, *_) in zip(requests, stored or [(0,)] * len(requests))), run)
         decode_start = time.perf_counter()
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
@@ -871,6 +953,12 @@ class Sampler(BaseSampler):
                 functools.partial(_prefill, max_len=max_len, width=width, gap=gap, mesh=self.mesh))
         return self._prefill_fns[max_len, width, gap]
 
+    def _prefill_rows_fn(self, max_len: int, width: int, gap: int):
+        if ("rows", max_len, width, gap) not in self._prefill_fns:
+            self._prefill_fns["rows", max_len, width, gap] = jax.jit(
+                functools.partial(_prefill_rows, max_len=max_len, width=width, gap=gap, mesh=self.mesh))
+        return self._prefill_fns["rows", max_len, width, gap]
+
     def _grow_fn(self, width: int):
         if width not in self._grow_fns:
             self._grow_fns[width] = jax.jit(functools.partial(_grow_cache, width=width, mesh=self.mesh))
@@ -884,14 +972,59 @@ class Sampler(BaseSampler):
                 donate_argnums=(2,))
         return self._decode_fns[prompt_width, width, top_n]
 
-    def _put(self, x: np.ndarray, *, replicated: bool = False) -> jax.Array:
+    def _stored_prefixes(self, requests: Sequence[Request]):
+        """Each request's longest stored prompt (PromptCache.longest), or None unless every request has one."""
+        if self.prompt_cache is None:
+            return None
+        stored = []
+        for r in requests:
+            hit = self.prompt_cache.longest(r.prompt_ids, self.min_cached_prefix)
+            if hit is None:
+                return None
+            stored.append(hit)
+        return stored
+
+    def _stored_rows(self, stored, B: int, C: int):
+        """The stored K/V as the prefill's first C slots, each row left-padded: keys [layers, B, K, H, C], values
+        [layers, B, K, C, H], and the slots' mask [B, C]. Padding rows repeat the first request's."""
+        n0, k0, v0 = stored[0]
+        keys = np.zeros(k0.shape[:1] + (B,) + k0.shape[1:3] + (C,), k0.dtype)
+        values = np.zeros(v0.shape[:1] + (B,) + v0.shape[1:2] + (C,) + v0.shape[3:], v0.dtype)
+        mask = np.zeros((B, C), np.int32)
+        for b in range(B):
+            n, k, v = stored[b] if b < len(stored) else stored[0]
+            keys[:, b, :, :, C - n:] = k
+            values[:, b, :, C - n:, :] = v
+            mask[b, C - n:] = 1
+        return keys, values, mask
+
+    def _store_prompts(self, requests: Sequence[Request], cache, starts: Sequence[int], pre: int, W: int) -> None:
+        """Keep each request's prompt K/V (PromptCache.put): its first sample row's slots holding the prompt, the
+        part it started with (slots [pre - start, pre), or the shared prefix [0, S)) then its own tokens."""
+        first, row = [], 0
+        for r in requests:
+            first.append(row)
+            row += r.params.n
+        keys, values = jax.device_get(self._cache_rows_fn(cache, self._put(np.asarray(first, np.int32),
+                                                                           replicated=True)))
+        for j, r in enumerate(requests):
+            own = len(r.prompt_ids) - starts[j]
+            slots = np.concatenate([np.arange(pre - starts[j], pre), np.arange(pre + W - own, pre + W)])
+            self.prompt_cache.put(r.prompt_ids, np.ascontiguousarray(keys[:, j][..., slots]),
+                                  np.ascontiguousarray(values[:, j][:, :, slots, :]))
+
+    def _put(self, x: np.ndarray, *, replicated: bool = False, axis: int = 0) -> jax.Array:
         """x on the mesh: rows over the batch axes, or (replicated) whole on every device. Without a mesh, placed
         on the device: a decode loop run in chunks gets its own (placed) outputs back, and a placed array is
         another signature to jit than an unplaced one (a second compile of every decode program)."""
         if self.mesh is None:
             return jax.device_put(x, jax.local_devices()[0])
-        sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if replicated else \
-            batch_sharding(self.mesh, x.ndim)
+        if replicated:
+            sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        else:   # the batch axis (axis: the stored K/V's come after their layers axis)
+            batch = logical_to_spec(["batch"])[0]
+            sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec(*([None] * axis), batch,
+                                                                            *([None] * (x.ndim - axis - 1))))
         return jax.device_put(x, sharding)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
@@ -918,6 +1051,65 @@ class Sampler(BaseSampler):
             raise GenerateError(f"{what} need a tokenizer: build the Sampler with tokenizer=AutoTokenizer."
                                 f"from_pretrained(DIR), or pass token ids.")
         return self.tokenizer
+
+
+class PromptCache:
+    """The K/V of prompts the sampler prefilled, kept on the host so that a later prompt that extends one (the
+    next turn of a dialogue: the previous prompt, the reply, the next user message) prefills only its new
+    tokens. At most max_bytes, the least recently used prompt leaves first; cleared when the parameters change.
+
+    Looked up by token ids: the longest stored prompt that is a proper prefix of the new one (rolling hashes of
+    the new prompt's prefixes, checked token for token on a hit)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self.entries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # (len, hash) -> ids, k, v
+        self.lengths: dict[int, int] = {}   # stored prompt length -> how many entries
+        self.hits = self.lookups = 0
+
+    @staticmethod
+    def prefix_hashes(ids: Sequence[int]) -> list[int]:
+        h, out = 0, [0]
+        for t in ids:
+            h = (h * 1_000_003 + int(t) + 1) & 0xFFFFFFFFFFFF
+            out.append(h)
+        return out
+
+    def longest(self, ids: Sequence[int], minimum: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """(length, keys [layers, K, H, length], values [layers, K, length, H]) of the longest stored prompt that
+        ids extends by at least one token, at least `minimum` long; None if there is none."""
+        self.lookups += 1
+        hashes = self.prefix_hashes(ids)
+        for n in sorted((n for n in self.lengths if minimum <= n < len(ids)), reverse=True):
+            key = (n, hashes[n])
+            entry = self.entries.get(key)
+            if entry is not None and np.array_equal(entry[0], np.asarray(ids[:n])):
+                self.entries[key] = self.entries.pop(key)   # most recently used: last
+                self.hits += 1
+                return n, entry[1], entry[2]
+        return None
+
+    def put(self, ids: Sequence[int], k_LKHT: np.ndarray, v_LKTH: np.ndarray) -> None:
+        key = (len(ids), self.prefix_hashes(ids)[-1])
+        size = k_LKHT.nbytes + v_LKTH.nbytes
+        if key in self.entries or size > self.max_bytes:
+            return
+        self.entries[key] = (np.asarray(ids, np.int32), k_LKHT, v_LKTH)
+        self.lengths[len(ids)] = self.lengths.get(len(ids), 0) + 1
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            (n, _), (_, k, v) = next(iter(self.entries.items()))
+            del self.entries[next(iter(self.entries))]
+            self.bytes -= k.nbytes + v.nbytes
+            self.lengths[n] -= 1
+            if not self.lengths[n]:
+                del self.lengths[n]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.lengths.clear()
+        self.bytes = 0
 
 
 class _BatchRows:
@@ -963,17 +1155,19 @@ def _cache_width(cache) -> int:
 
 
 def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None = None, mesh=None, seed: int = 0,
-                 max_batch_size: int = 64, chat_template: bool = True, reuse=None, cpu_matmul: str | None = None):
+                 max_batch_size: int = 64, chat_template: bool = True, reuse=None, cpu_matmul: str | None = None,
+                 prompt_cache_mb: int = 0):
     """A Sampler for a model path, with the model's tokenizer (or `tokenizer`, a directory). cpu_matmul: the
     model.cpu_matmul of a Hugging Face checkpoint (None: LlamaConfig's default; a training run keeps its own).
 
     reuse: a Sampler to load a Hugging Face checkpoint of the same architecture into: only its parameters are
     swapped, so its compiled prefill/decode programs (one per shape) serve the new model too instead of being
     compiled again (the pipeline samples from several policies of one architecture). Another architecture
-    gets a new Sampler."""
+    gets a new Sampler. prompt_cache_mb: Sampler's (a reused one takes it too)."""
     if reuse is not None and is_hf_checkpoint(path):
         try:
             reuse.set_params(load_model(path, dtype=dtype, cpu_matmul=cpu_matmul)[0], seed=seed)
+            reuse.prompt_cache = PromptCache(prompt_cache_mb << 20) if prompt_cache_mb > 0 else None
             return reuse
         except GenerateError:  # another architecture: a new Sampler (and new compilations)
             pass
@@ -984,4 +1178,4 @@ def load_sampler(path: str, tokenizer: str | None = None, *, dtype: str | None =
                           cpu_matmul=cpu_matmul)
     if run_config is not None and mesh is None:
         mesh = sharding.make_mesh((1, -1, 1))  # restore_model placed the parameters on this mesh
-    return Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed)
+    return Sampler(model, tok, mesh, max_batch_size=max_batch_size, seed=seed, prompt_cache_mb=prompt_cache_mb)

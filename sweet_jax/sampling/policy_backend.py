@@ -550,7 +550,8 @@ def policy_sampler(policy, path: str, tokenizer: str = "", *, seed: int = 0, dty
     check_backend(policy.backend, f"{field}.backend")
     if policy.backend == "in_process":
         yield generate.load_sampler(path, tokenizer, dtype=dtype, seed=seed, mesh=mesh, max_batch_size=max_batch_size,
-                                    reuse=reuse, cpu_matmul=cpu_matmul)
+                                    reuse=reuse, cpu_matmul=cpu_matmul,
+                                    prompt_cache_mb=policy.get("prompt_cache_mb", 0))
         return
 
     openai = policy.openai

@@ -1155,7 +1155,8 @@ def start_server(sampler: Sampler, *, host: str = "127.0.0.1", port: int = 0, mo
 # ----------------------------------------------------------------------------------------------------------
 
 def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str | None = None,
-                       mesh_shape: tuple[int, int, int] | None = None, max_batch_size: int = 64) -> Sampler:
+                       mesh_shape: tuple[int, int, int] | None = None, max_batch_size: int = 64,
+                       prompt_cache_mb: int = 0) -> Sampler:
     """A Sampler for a Hugging Face checkpoint directory or a training workdir (its latest checkpoint)."""
     if not model or not os.path.isdir(model):
         raise SweetJaxError(f"--model {model!r}: no such directory; pass a Hugging Face checkpoint directory "
@@ -1163,6 +1164,6 @@ def load_model_sampler(model: str, *, tokenizer: str | None = None, dtype: str |
     mesh = model_loading.make_mesh(mesh_shape, field="--mesh") if mesh_shape is not None else None
     # Plain completions need no chat template; /v1/chat/completions says so when the tokenizer has none.
     return generate.load_sampler(model, tokenizer, dtype=dtype, mesh=mesh, max_batch_size=max_batch_size,
-                               chat_template=False)
+                                 chat_template=False, prompt_cache_mb=prompt_cache_mb)
 
 
