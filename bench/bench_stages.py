@@ -6,10 +6,12 @@ the other, or with --together at once), with their ratio and their outputs compa
     python bench/bench_stages.py --model HF_DIR --out OUT --before REV [--together] [--preset smollm2_select] [--scale 0.25]
     python bench/bench_stages.py --model HF_DIR --out OUT [--preset smollm2] [--scale 0.25]
     python bench/bench_stages.py --evidence bench/results/select_seed2/evidence
+    python bench/bench_stages.py --run bench/results/discovery_seed0/state
 
 --before REV: "before" is the pipeline at git revision REV (its files exported to OUT/before/src), "after" this tree.
 Without it the sides are the float32 and bfloat16 CPU matmuls (model.cpu_matmul = xla | auto) of this tree.
 --evidence: the stage table of a kept run (its stages.json and per-step metrics), nothing run.
+--run: where the seconds of a run's finished stages went (their done.json costs: a workdir or its --carry state).
 
 HF_DIR: SmolLM2-135M-Instruct as an HF directory (`python -m sweet_jax.models.gguf smollm2 HF_DIR`). --preset
 smollm2_select runs a frozen seed of the comparison (select.frozen: seed 0's choices from
@@ -251,6 +253,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--evidence", default="", help="only print a kept run's table (e.g. "
                         "bench/results/select_seed2/evidence) and exit")
+    parser.add_argument("--run", default="", help="only print where a run's finished stages' seconds went")
     parser.add_argument("--model", help="SmolLM2-135M-Instruct as an HF directory")
     parser.add_argument("--out", help="directory of the two sides' workdirs")
     parser.add_argument("--before", default="", help="git revision of the 'before' side (else: float32 vs bf16)")
@@ -266,6 +269,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.evidence:
         print(evidence_table(pathlib.Path(args.evidence)))
+        return
+    if args.run:
+        run = pathlib.Path(args.run)
+        print(cost_table(records(run), f"Where the seconds of {run} went (its finished stages):"))
         return
     if not args.model or not args.out:
         parser.error("--model and --out are required (unless --evidence)")

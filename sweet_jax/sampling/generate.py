@@ -809,8 +809,9 @@ class Sampler(BaseSampler):
                 run = B * W
             if self.prompt_cache is not None:
                 self._store_prompts(requests, cache, starts, pre, W)
-        costs.tokens("sample_prompt", sum(len(r.prompt_ids) - (0 if stored is None else n)
-                                          for r, (n, *_) in zip(requests, stored or [(0,)] * len(requests))), run)
+        reused = 0 if stored is None else sum(n for n, _, _ in stored)
+        costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in requests) - reused, run)
+        costs.add("sample_prompt_reused_tokens", reused)   # their K/V taken from the PromptCache, not run
         decode_start = time.perf_counter()
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
