@@ -373,6 +373,7 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
     return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
 
 
+@_sampler_matmuls
 def _prefill_rows(graphdef, state, prefix_k_LBKHC, prefix_v_LBKCH, prefix_mask_BC, prefix_len_B, input_ids_BW,
                   prompt_mask_BW, sample_row_N, *, max_len: int, width: int, gap: int, mesh):
     """_prefill where each prompt row starts with K/V it already has (PromptCache: an earlier prompt of the same
@@ -385,7 +386,7 @@ def _prefill_rows(graphdef, state, prefix_k_LBKHC, prefix_v_LBKCH, prefix_mask_B
     N = sample_row_N.shape[0]
     cache_mask_BL = jnp.concatenate([prefix_mask_BC, prompt_mask_BW, jnp.zeros((B, gap), prompt_mask_BW.dtype),
                                      jnp.ones((B, max_len - C - W - gap), prompt_mask_BW.dtype)], axis=1)
-    dtype = model.init_cache(1, 1)[0]["v_BKSH"].dtype
+    dtype = model.config.dtype   # the cache's (Llama.init_cache)
 
     def widen(x, axis):
         pad = [(0, 0)] * x.ndim
