@@ -181,11 +181,14 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Modul
     return model
 
 
-def batch_sharding(mesh: Mesh, ndim: int | None = None) -> NamedSharding:
-    """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated. Without ndim the spec names the
-    leading dimension only: a prefix that fits a batch leaf of any rank."""
+def batch_sharding(mesh: Mesh, ndim: int | None = None, *, axis: int = 0) -> NamedSharding:
+    """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated; `axis`: the batch dimension where it
+    is not the first (given ndim). Without ndim the spec names the leading dimension only: a prefix that fits a
+    batch leaf of any rank."""
     batch = logical_to_spec(["batch"])[0]
-    return NamedSharding(mesh, PartitionSpec(batch) if ndim is None else PartitionSpec(batch, *([None] * (ndim - 1))))
+    if ndim is None:
+        return NamedSharding(mesh, PartitionSpec(batch))
+    return NamedSharding(mesh, PartitionSpec(*([None] * axis), batch, *([None] * (ndim - axis - 1))))
 
 
 def residual_sharding(*, sequence_parallel: bool, rules=LOGICAL_RULES) -> tuple:

@@ -62,8 +62,9 @@ def define_flags():
     config_flags.DEFINE_config_file("config", cli.resolve_config("configs/pipeline.py:demo"),
                                     "pipeline config (file:preset)", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory: every stage's artifacts; rerunning resumes")
-    flags.DEFINE_string("carry", "", "a second directory for the run's small state (all but the models), saved "
-                        "after each stage and restored first: the run resumes on another machine (docs/pipeline.md)")
+    flags.DEFINE_string("carry", "", "a second directory for the run's small state (its finished stages' files "
+                        "but the models), saved after each stage and restored first: the run resumes on another "
+                        "machine (docs/pipeline.md)")
     cli.define_accept_config_change("WORKDIR/pipeline_config_changes.jsonl")
     flags.mark_flags_as_required(["workdir"])
 

@@ -20,19 +20,20 @@ import os
 import pathlib
 import shutil
 
+from sweet_jax.train.rundir import CHECKPOINT_DIR
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "carry.json"
 DONE = "done.json"                      # a finished stage's record (stages.DONE)
 RUN_DIRS = ("evidence",)                # the run's own, not a stage's (the report writes it: stages.write_evidence)
-CHECKPOINT_DIRS = ("checkpoints",)     # train/rundir.CHECKPOINT_DIR: Orbax checkpoints
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".msgpack", ".gguf", ".pt")
 NOT_CARRIED = (".lock",)                # a running trainer's lock (rundir.py): this machine's only
 
 
 def is_model_dir(d: pathlib.Path) -> bool:
     """An HF directory (weights beside config.json) or a training run's checkpoints: not carried."""
-    if d.name in CHECKPOINT_DIRS:
+    if d.name == CHECKPOINT_DIR:   # Orbax checkpoints
         return True
     return any(f.suffix in WEIGHT_SUFFIXES for f in d.iterdir() if f.is_file())
 
@@ -99,13 +100,9 @@ def restore(carry_dir, workdir) -> int:
         if dst.exists():
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        text = (carry_dir / rel).read_text() if rel.suffix == ".json" and old != new else None
-        try:
-            text = None if text is None else rewrite_paths(text, old, new)
-        except json.JSONDecodeError:
-            text = None
-        if text is not None:
-            dst.write_text(text)
+        moved = rewrite_paths((carry_dir / rel).read_text(), old, new) if rel.suffix == ".json" and old != new else None
+        if moved is not None:
+            dst.write_text(moved)
         else:
             shutil.copy2(carry_dir / rel, dst)
         restored += 1
@@ -114,8 +111,8 @@ def restore(carry_dir, workdir) -> int:
     return restored
 
 
-def rewrite_paths(text: str, old: str, new: str) -> str:
-    """JSON text with every string that is old or starts with old + '/' moved under new."""
+def rewrite_paths(text: str, old: str, new: str) -> str | None:
+    """JSON text with every string that is old or starts with old + '/' moved under new (None: not JSON)."""
     def move(value):
         if isinstance(value, str) and (value == old or value.startswith(old + "/")):
             return new + value[len(old):]
@@ -124,4 +121,8 @@ def rewrite_paths(text: str, old: str, new: str) -> str:
         if isinstance(value, dict):
             return {k: move(v) for k, v in value.items()}
         return value
-    return json.dumps(move(json.loads(text)), indent=2) + "\n"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return json.dumps(move(value), indent=2) + "\n"

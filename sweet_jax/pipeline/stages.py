@@ -1046,13 +1046,12 @@ def run_pipeline(config: ml_collections.ConfigDict, workdir, *, accept_config_ch
             hf["sweet_iterative"], rounds = iterate_sweet(run, s, grid, selection, hf["sweet"], traj)
             if rounds is not None:
                 selection["sweet_iterative"] = rounds
+                write_selection(run, grid, selection, s.get("valid_zero_shot"))
             evaluate("sweet_iterative")
-        if selection:
-            write_selection(run, grid, selection, s.get("valid_zero_shot"))
         s["report"] = run.stage("report", "report", lambda d: stage_report(run, d, s, methods))
     finally:
         run.close()
-        if run.carry_dir is not None:   # an unfinished stage's partial files too (candidates resume from them)
+        if run.carry_dir is not None:   # the run's own files written after its last finished stage
             carry.save(run.workdir, run.carry_dir)
     s["_ran"], s["_skipped"] = run.ran, run.skipped
     return s

@@ -72,7 +72,7 @@ from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul, positions_from_mask
 from sweet_jax.models.attention import HEADS_MAJOR_CACHE, cache_slot_axis
 from sweet_jax.sampling.base import BaseSampler, Sample, mix_seed
-from sweet_jax.sharding import logical_to_spec, spec_for_shape
+from sweet_jax.sharding import batch_sharding, logical_to_spec, spec_for_shape
 from sweet_jax.train.model_loading import is_hf_checkpoint, is_training_run, load_model, load_tokenizer_for
 from sweet_jax.train.rundir import read_config
 
@@ -348,7 +348,6 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
     model = nnx.merge(graphdef, state)
     S = prefix_ids_1S.shape[1]
     B, W = input_ids_BW.shape
-    N = sample_row_N.shape[0]
     # Slots past the prompt and its gap are marked valid up front: causality (slot <= cache_pos + i) hides them
     # until they are written, so the same mask serves prefill and every decode step.
     cache_mask_BL = jnp.concatenate([jnp.ones((B, S), prompt_mask_BW.dtype), prompt_mask_BW,
@@ -363,13 +362,23 @@ def _prefill(graphdef, state, prefix_ids_1S, input_ids_BW, prompt_mask_BW, sampl
         cache = _constrain_batch(cache, mesh, B)
     else:
         cache = _constrain_batch(model.init_cache(B, width), mesh, B)
-    positions_BW = S + positions_from_mask(prompt_mask_BW)
+    return _prefill_rest(model, cache, input_ids_BW, prompt_mask_BW, cache_mask_BL, jnp.full((B,), S, jnp.int32),
+                         sample_row_N, width=width, mesh=mesh)
+
+
+def _prefill_rest(model, cache, input_ids_BW, prompt_mask_BW, cache_mask_BL, start_B, sample_row_N, *, width: int,
+                  mesh):
+    """The prefills' common end: each prompt's own tokens (left-padded) run at the slots after the first C ones the
+    cache already holds (C = width - W), from position start; then prompt rows are gathered into sample rows."""
+    B, W = input_ids_BW.shape
+    N = sample_row_N.shape[0]
+    positions_BW = start_B[:, None] + positions_from_mask(prompt_mask_BW)
     hidden_BWD, cache = model.hidden_states(input_ids_BW, cache_mask_BL[:, :width], positions_BW, cache=cache,
-                                            cache_pos=jnp.int32(S))
+                                            cache_pos=jnp.int32(width - W))
     logits_BV = _last_logits(model, hidden_BWD)  # left padding: column W-1 is every prompt's last token
     take = lambda x: x[sample_row_N] if hasattr(x, "ndim") and x.ndim and x.shape[0] == B else x
     cache = _constrain_batch(jax.tree_util.tree_map(take, cache), mesh, N)
-    prompt_len_N = (S + jnp.sum(prompt_mask_BW, axis=1).astype(jnp.int32))[sample_row_N]
+    prompt_len_N = (start_B + jnp.sum(prompt_mask_BW, axis=1).astype(jnp.int32))[sample_row_N]
     return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
 
 
@@ -383,26 +392,13 @@ def _prefill_rows(graphdef, state, prefix_k_LBKHC, prefix_v_LBKCH, prefix_mask_B
     model = nnx.merge(graphdef, state)
     B, W = input_ids_BW.shape
     C = prefix_mask_BC.shape[1]
-    N = sample_row_N.shape[0]
     cache_mask_BL = jnp.concatenate([prefix_mask_BC, prompt_mask_BW, jnp.zeros((B, gap), prompt_mask_BW.dtype),
                                      jnp.ones((B, max_len - C - W - gap), prompt_mask_BW.dtype)], axis=1)
     dtype = model.config.dtype   # the cache's (Llama.init_cache)
-
-    def widen(x, axis):
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, width - C)
-        return jnp.pad(x.astype(dtype), pad)
-    cache = [{"k_BKHS": widen(prefix_k_LBKHC[i], 3), "v_BKSH": widen(prefix_v_LBKCH[i], 2)}
-             for i in range(prefix_k_LBKHC.shape[0])]
-    cache = _constrain_batch(cache, mesh, B)
-    positions_BW = prefix_len_B[:, None] + positions_from_mask(prompt_mask_BW)
-    hidden_BWD, cache = model.hidden_states(input_ids_BW, cache_mask_BL[:, :width], positions_BW, cache=cache,
-                                            cache_pos=jnp.int32(C))
-    logits_BV = _last_logits(model, hidden_BWD)
-    take = lambda x: x[sample_row_N] if hasattr(x, "ndim") and x.ndim and x.shape[0] == B else x
-    cache = _constrain_batch(jax.tree_util.tree_map(take, cache), mesh, N)
-    prompt_len_N = (prefix_len_B + jnp.sum(prompt_mask_BW, axis=1).astype(jnp.int32))[sample_row_N]
-    return cache, logits_BV[sample_row_N], prompt_len_N, cache_mask_BL[sample_row_N]
+    cache = _grow_cache([{"k_BKHS": k.astype(dtype), "v_BKSH": v.astype(dtype)}
+                         for k, v in zip(prefix_k_LBKHC, prefix_v_LBKCH)], width=width, mesh=mesh)
+    return _prefill_rest(model, cache, input_ids_BW, prompt_mask_BW, cache_mask_BL, prefix_len_B, sample_row_N,
+                         width=width, mesh=mesh)
 
 
 def _cache_rows(cache, rows_R):
@@ -1021,12 +1017,8 @@ class Sampler(BaseSampler):
         another signature to jit than an unplaced one (a second compile of every decode program)."""
         if self.mesh is None:
             return jax.device_put(x, jax.local_devices()[0])
-        if replicated:
-            sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        else:   # the batch axis (axis: the stored K/V's come after their layers axis)
-            batch = logical_to_spec(["batch"])[0]
-            sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec(*([None] * axis), batch,
-                                                                            *([None] * (x.ndim - axis - 1))))
+        sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if replicated else \
+            batch_sharding(self.mesh, x.ndim, axis=axis)   # axis: the stored K/V's batch follows their layers
         return jax.device_put(x, sharding)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
@@ -1100,9 +1092,9 @@ class PromptCache:
         self.entries[key] = (np.asarray(ids, np.int32), k_LKHT, v_LKTH)
         self.lengths[len(ids)] = self.lengths.get(len(ids), 0) + 1
         self.bytes += size
-        while self.bytes > self.max_bytes:
-            (n, _), (_, k, v) = next(iter(self.entries.items()))
-            del self.entries[next(iter(self.entries))]
+        while self.bytes > self.max_bytes:   # the least recently used first (dicts keep insertion order)
+            (n, h), (_, k, v) = next(iter(self.entries.items()))
+            del self.entries[n, h]
             self.bytes -= k.nbytes + v.nbytes
             self.lengths[n] -= 1
             if not self.lengths[n]:
