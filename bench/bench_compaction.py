@@ -1,6 +1,7 @@
 """The sampler's padding cuts against what it ran before, on a pipeline stage's real prompts: decode compaction
-(the rows still decoding moved into a smaller batch), the prefill's finer prompt widths (bucket_prompt) and the
-prompt cache (a turn's prompt prefilled from the previous turn's stored K/V, generate.PromptCache).
+(the rows still decoding moved into a smaller batch), the prefill's finer prompt widths (bucket_prompt), the
+prompt cache (a turn's prompt prefilled from the previous turn's stored K/V, generate.PromptCache) and a batch's
+identical prompts prefilled once.
 
     python bench/bench_compaction.py --model RUN/init/policy_hf --episodes RUN/offline/trajectories.jsonl
 
@@ -8,9 +9,10 @@ Replays a pipeline stage's sampling: the recorded episodes' agent turns (each as
 `input`), one call per turn of a wave of --wave episodes, as the rollout asks the policy (temperature 1.0,
 --max-new tokens, batches of --batch rows, seeds as SamplerPolicy draws them). One process, one Sampler, four
 ways: `before` (compact_every 0: the batch decodes until its last row ends; prompts prefilled at power-of-two
-widths, as bucket_length), `compacted` (compact_every --every), `compacted + widths` (and bucket_prompt's
-widths), `+ prompt cache` (and --prompt-cache-mb of stored prompts, emptied before each pass: the smollm2
-presets' sampler). A warm-up pass of each way (compilation), then --repeats timed passes of each,
+widths, as bucket_length), `compacted` (compact_every --every), `compacted + widths` (and quarter-octave widths
+past 128 tokens), `+ prompt cache` (and --prompt-cache-mb of stored prompts, emptied before each pass), `+
+identical once + widths from 32` (and a batch's identical prompts prefilled once, quarter-octave widths past 32
+tokens: bucket_prompt; the sampler now). A warm-up pass of each way (compilation), then --repeats timed passes of each,
 alternating. Printed per way: prefill and decode seconds (the best pass), positions and row-steps run against
 the real tokens, and whether it gave the tokens of `before` (log-probs: the largest difference). --sweep also times one decode step at each batch size (rows decoding 64 steps, eos
 ignored): what a step costs as the batch shrinks.
@@ -38,7 +40,15 @@ def turn_calls(path: str, wave: int, waves: int) -> list[list[str]]:
     return calls
 
 
-WAYS = ("before", "compacted", "compacted + widths", "+ prompt cache")
+WAYS = ("before", "compacted", "compacted + widths", "+ prompt cache", "+ identical once + widths from 32")
+
+
+def widths_past_128(fine_widths):
+    """The prefill's widths before the finer ones under 128 tokens: powers of two up to 128, then fine_widths'
+    (generate.bucket_prompt's quarter octaves)."""
+    from sweet_jax.sampling import generate
+    return lambda n, minimum=16: (generate.bucket_length(n, minimum) if max(n, minimum) <= 128
+                                  else fine_widths(n, minimum))
 
 
 def run_pass(sampler, calls, args, way: str, fine_widths):
@@ -48,9 +58,11 @@ def run_pass(sampler, calls, args, way: str, fine_widths):
     from sweet_jax.sampling.generate import Request, SamplingParams
 
     sampler.compact_every = 0 if way == "before" else args.every
-    fine = way in ("compacted + widths", "+ prompt cache")
-    generate.bucket_prompt = fine_widths if fine else generate.bucket_length
-    sampler.prompt_cache = generate.PromptCache(args.prompt_cache_mb << 20) if way == "+ prompt cache" else None
+    latest = way == WAYS[-1]
+    generate.bucket_prompt = (fine_widths if latest else widths_past_128(fine_widths) if way in WAYS[2:] else
+                              generate.bucket_length)
+    sampler.prompt_cache = generate.PromptCache(args.prompt_cache_mb << 20) if way in WAYS[3:] else None
+    sampler.prefill_identical_once = latest
     costs.reset()
     start = time.perf_counter()
     out = []
@@ -65,6 +77,7 @@ def run_pass(sampler, calls, args, way: str, fine_widths):
                 prefill_s=c.get("sample_prefill_s", 0.0), compile_s=c.get("compile_s", 0.0),
                 row_steps=c.get("sample_new_padded_tokens", 0), new_tokens=c.get("sample_new_tokens", 0),
                 positions=c.get("sample_prompt_padded_tokens", 0), prompt_tokens=c.get("sample_prompt_tokens", 0),
+                repeated=c.get("sample_prompt_repeated_tokens", 0),
                 load=os.getloadavg()[0]), out
 
 

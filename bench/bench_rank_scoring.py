@@ -5,6 +5,7 @@ False)) vs each turn prompt's common prefix run once and each distinct candidate
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR            # a pipeline run's candidates
     python bench/bench_rank_scoring.py --run RUN_DIR --recorded                # against its rank stage's scores
     python bench/bench_rank_scoring.py --model HF_DIR --memory                 # compiled scratch memory, both ways
+    python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR --shapes-before   # call shapes: before vs now
 
 RUN_DIR is a `python -m sweet_jax.pipeline` workdir with offline/trajectories.jsonl and candidates/candidates.jsonl
 (the pipeline's own inputs to its rank stages); the first --prompts turn prompts of the candidates file are scored
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: LlamaConfig's)")
     parser.add_argument("--recorded", action="store_true", help="check the run's recorded rank scores instead")
     parser.add_argument("--memory", action="store_true", help="print the compiled scratch memory of both ways")
+    parser.add_argument("--shapes-before", action="store_true",
+                        help="shared prefix at the call shapes before 2026-12-02 against now (not whole sequences)")
     args = parser.parse_args()
     if args.recorded:
         return check_recorded(args.run)
@@ -52,6 +55,7 @@ def main() -> None:
     if not args.model or not args.run:
         parser.error("--model and --run are required (or --run with --recorded, --model with --memory)")
 
+    from sweet_jax import costs
     from sweet_jax.data.loading import load_records
     from sweet_jax.data.schema import CandidatesRecord, Trajectory
     from sweet_jax.data.tokenizers import load_tokenizer
@@ -68,22 +72,32 @@ def main() -> None:
               bucket=args.bucket, max_len=4096)
     scorers = {"whole sequences": ranking.ReplyScorer(model, tokenizer, share_prefix=False, **kw),
                "shared prefix": ranking.ReplyScorer(model, tokenizer, share_prefix=True, **kw)}
+    if args.shapes_before:
+        scorers = {"shared prefix, shapes before": ranking.ReplyScorer(model, tokenizer, share_prefix=True, **kw),
+                   "shared prefix": scorers["shared prefix"]}
     batches = [[(p, t) for p, texts in turns[start:start + args.prompts_per_batch] for t in texts]
                for start in range(0, len(turns), args.prompts_per_batch)]
+    shape_now = ranking.score_shape
+    positions = {}
 
-    def run(scorer):
-        return np.concatenate([scorer(items) for items in batches])
+    def run(name):
+        ranking.score_shape = shapes_before(args.bucket) if name.endswith("shapes before") else shape_now
+        costs.reset()
+        out = np.concatenate([scorers[name](items) for items in batches])
+        positions[name] = costs.snapshot().get("score_padded_tokens", 0)
+        ranking.score_shape = shape_now
+        return out
 
     scores, first = {}, {}
-    for name, scorer in scorers.items():
+    for name in scorers:
         start = time.perf_counter()
-        scores[name] = run(scorer)
+        scores[name] = run(name)
         first[name] = time.perf_counter() - start
     times = {name: [] for name in scorers}
     for _ in range(args.rounds):
-        for name, scorer in scorers.items():
+        for name in scorers:
             start = time.perf_counter()
-            run(scorer)
+            run(name)
             times[name].append(time.perf_counter() - start)
 
     seqs = [ranking.critic_sequence(tokenizer, p, t, info_template=kw["info_template"], info_placement="system")
@@ -95,17 +109,29 @@ def main() -> None:
                      + sum(len(s.input_ids) - ranking.reply_start(s.turn_ids) for s in distinct))
     n = len(turns)
     median = {name: statistics.median(t) for name, t in times.items()}
-    diff = float(np.nanmax(np.abs(scores["whole sequences"] - scores["shared prefix"])))
-    same, ordered, twins = same_order(scores["whole sequences"], scores["shared prefix"], [t for _, t in turns])
+    base = next(iter(scorers))
+    diff = float(np.nanmax(np.abs(scores[base] - scores["shared prefix"])))
+    same, ordered, twins = same_order(scores[base], scores["shared prefix"], [t for _, t in turns])
     ordered += twins  # identical candidates scored apart by whole sequences: ties with the prefix shared
     print(f"{n} turn prompts, {len(seqs)} candidates ({len(distinct)} distinct), score batches of {args.batch_size} "
           f"rows, {args.prompts_per_batch} prompts a call; tokens run (unpadded): whole {whole_tokens}, "
           f"shared {shared_tokens} ({whole_tokens / shared_tokens:.1f}x fewer)")
     for name in scorers:
-        print(f"{name:<16} {median[name] / n:7.2f} s/turn  (first call, compiling: {first[name]:.1f} s; rounds: "
-              f"{', '.join(f'{t:.1f}' for t in times[name])} s)")
-    print(f"shared prefix / whole sequences: {median['whole sequences'] / median['shared prefix']:.2f}x faster; "
+        print(f"{name:<16} {median[name] / n:7.2f} s/turn, {positions[name]} positions run (first call, compiling: "
+              f"{first[name]:.1f} s; rounds: {', '.join(f'{t:.1f}' for t in times[name])} s)")
+    print(f"shared prefix / {base}: {median[base] / median['shared prefix']:.2f}x faster; "
           f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
+
+
+def shapes_before(bucket: int):
+    """ranking.score_shape before 2026-12-02: the prefix padded to a multiple of `bucket`, rows to a power of two
+    (at least a quarter of the batch), reply tokens to a power of two."""
+    from sweet_jax.sampling.generate import bucket_length, bucket_rows
+
+    def score_shape(prefix_len, row_lengths, batch_size):
+        return (-(-prefix_len // bucket) * bucket, min(batch_size, max(bucket_rows(len(row_lengths)), batch_size // 4)),
+                bucket_length(max(row_lengths, default=1)))
+    return score_shape
 
 
 def same_order(reference: np.ndarray, other: np.ndarray, texts: list[list[str]]) -> tuple[int, int, int]:

@@ -86,11 +86,11 @@ def test_a_long_prompt_prefills_a_finer_width_and_decodes_transformers_greedy_to
 
 
 def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
-    assert [bucket_prompt(n) for n in (1, 17, 128, 129, 161, 256, 257, 600, 1025, 9000)] == \
-        [16, 32, 128, 160, 192, 256, 320, 640, 1280, 9216]
-    for n in range(1, 5000, 7):   # never past the decode's width; under 25% padding past 128 tokens
+    assert [bucket_prompt(n) for n in (1, 17, 33, 44, 65, 100, 128, 129, 161, 256, 257, 600, 1025, 9000)] == \
+        [16, 32, 40, 48, 80, 112, 128, 160, 192, 256, 320, 640, 1280, 9216]
+    for n in range(1, 5000, 7):   # never past the decode's width; under 25% padding past 32 tokens
         assert n <= bucket_prompt(n) <= bucket_length(n)
-        assert n <= 128 or bucket_prompt(n) < 1.25 * n
+        assert n <= 32 or bucket_prompt(n) < 1.25 * n
 
 
 def prompts_with_a_common_prefix(prefix_len, suffix_lengths, seed):
@@ -600,7 +600,7 @@ def test_a_dialogues_next_turn_prefills_only_its_new_tokens_with_the_same_sample
             if matmul == "auto":   # float32 here; a bf16 forward rounds the activations the sampler splits
                 np.testing.assert_allclose(s.logprobs, teacher_forced_logprobs(model, prompt, s.token_ids),
                                            atol=2e-4)
-    assert cached_positions == 4 * 32 and plain_positions == 32 + 4 * 128, (cached_positions, plain_positions)
+    assert cached_positions == 4 * 32 and plain_positions == 32 + 4 * 96, (cached_positions, plain_positions)
     greedy = cached.generate(second, max_new_tokens=10, temperature=0.0)   # turn 2 stored too: a third turn's hit
     assert [s[0].token_ids for s in greedy] == hf_greedy(hf_dir, second, max_new_tokens=10, pad_id=0)
 
@@ -627,6 +627,33 @@ def test_the_prompt_cache_keeps_the_longest_prefix_within_its_bytes_and_forgets_
     assert sampler.prompt_cache.entries
     sampler.set_params(load_hf(hf_dir))                            # another policy: its own K/V
     assert not sampler.prompt_cache.entries and sampler.prompt_cache.bytes == 0
+
+
+@pytest.mark.parametrize("prompt_cache", [False, True])
+def test_identical_prompts_of_a_batch_are_prefilled_once_with_the_samples_each_gets_alone(hf_dir, tokenizer,
+                                                                                          prompt_cache):
+    """An evaluation plays each task twice (the offline stage four times): a batch's identical prompts run one
+    prefill row, read by each request's own sample rows, and every request samples what it samples alone; with
+    the prompt cache, a dialogue's repeated next turn too (one row on its stored K/V)."""
+    model = load_hf(hf_dir)
+    sampler = Sampler(model, tokenizer, min_shared_prefix=0, prompt_cache_mb=64 if prompt_cache else 0,
+                      min_cached_prefix=16)
+    alone = Sampler(model, tokenizer, min_shared_prefix=0)
+    a, b, c = random_prompts([40, 29, 35], seed=21)
+    if prompt_cache:   # turn 1 stored; the batch is turn 2 of each dialogue
+        sampler.generate([a, b, c], max_new_tokens=4, temperature=0.0)
+        a, b, c = (p + random_prompts([9], seed=30 + i)[0] for i, p in enumerate((a, b, c)))
+    prompts, ns = [a, b, a, a, c, b], [1, 1, 2, 1, 1, 1]
+    requests = [Request(p, SamplingParams(max_new_tokens=10, temperature=1.0, n=n, seed=40 + j, ignore_eos=True))
+                for j, (p, n) in enumerate(zip(prompts, ns))]
+    costs.reset()
+    got = sampler.generate_requests(requests)
+    counted = costs.snapshot()
+    assert counted["sample_prompt_repeated_tokens"] == 2 * len(a) + len(b)
+    assert counted["sample_prompt_padded_tokens"] == 4 * (16 if prompt_cache else 40)   # 3 distinct rows of 4
+    if prompt_cache:
+        assert counted["sample_prompt_reused_tokens"] == 40 + 29 + 35
+    assert_same_samples(got, [alone.generate_requests([r])[0] for r in requests])
 
 
 def test_sharded_prompt_cache_gives_the_unsharded_samples(hf_dir, sampler):

@@ -192,6 +192,18 @@ def test_shared_prefix_scoring_gives_the_whole_sequence_scores_once_per_distinct
     assert len(rows) == len(prompts) * 2  # 6 distinct candidates a prompt, at most 4 rows a call
 
 
+def test_score_shapes_pad_little_in_few_row_counts():
+    # A turn prompt of 200 tokens, 9 distinct candidates of 8-40 tokens, calls of up to 16 rows.
+    assert ranking.score_shape(200, [8, 12, 40] + [10] * 6, 16) == (224, 12, 40)
+    assert ranking.score_shape(20, [5], 16) == (32, 4, 16)
+    for rows in range(1, 17):   # rows a multiple of 4, never past the batch
+        assert ranking.score_shape(64, [9] * rows, 16)[1] in (4, 8, 12, 16) and \
+            ranking.score_shape(64, [9] * rows, 16)[1] >= rows
+    for n in range(33, 3000, 11):   # under 25% padding past 32 tokens, prefix and rows alike
+        S, _, T = ranking.score_shape(n, [n], 16)
+        assert n <= S < 1.25 * n and n <= T < 1.25 * n
+
+
 def test_rank_cli_config_end_to_end_on_tiny_models(tmp_path):
     """configs/rank.py:demo through rank.run: sample with the tiny policy, score with a tiny critic, write pairs."""
     import importlib.util

@@ -47,7 +47,7 @@ from sweet_jax.models import cpu_matmul
 from sweet_jax.rl import diagnostics
 from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
-from sweet_jax.sampling.generate import bucket_length, bucket_rows
+from sweet_jax.sampling.generate import bucket_prompt
 from sweet_jax.train import losses, model_loading, rundir, steps
 
 log = logging.getLogger(__name__)
@@ -353,13 +353,22 @@ def reply_start(turn_ids) -> int:
     return min(max(int(labelled[0]) if len(labelled) else len(turn_ids) - 1, 1), len(turn_ids) - 1)
 
 
+def score_shape(prefix_len: int, row_lengths: Sequence[int], batch_size: int) -> tuple[int, int, int]:
+    """(S, B, T) of a shared-prefix scoring call: the prefix left-padded to S, B rows (a multiple of a quarter of
+    batch_size: four row counts, few compiles) right-padded to T, at the sampler's prompt widths
+    (generate.bucket_prompt: under 25% padding past 32 tokens)."""
+    quarter = max(1, batch_size // 4)
+    return (bucket_prompt(prefix_len), min(batch_size, -(-len(row_lengths) // quarter) * quarter),
+            bucket_prompt(max(row_lengths, default=1)))
+
+
 def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *,
                           batch_size: int, bucket: int, pad: int) -> np.ndarray:
     """score_sequences' result computed with a prefix shared by rows (make_prefix_mean_logp_fn): a sequence that
     occurs several times is scored once, and sequences with the same tokens before their first turn-id-1 token
-    (one turn prompt's candidates) are the rows of one call (up to `batch_size`; a power of two, at least a
-    quarter of it), the prefix left-padded to a multiple of `bucket`, the rows right-padded to a power of two
-    (generate.bucket_length)."""
+    (one turn prompt's candidates) are the rows of one call (up to `batch_size`, shortest first; padded to a
+    multiple of a quarter of it), the prefix left-padded and the rows right-padded (score_shape). `bucket`:
+    score_sequences' (unused here)."""
     scores = np.full(len(seqs), np.nan, np.float32)
     distinct: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, list[int]]] = {}
     for i, seq in enumerate(seqs):
@@ -372,14 +381,14 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
         by_prefix.setdefault(ids[:split].tobytes(), []).append((ids[:split], ids[split:], turns[split:], where))
     for group in by_prefix.values():
         prefix = group[0][0]
-        S = -(-len(prefix) // bucket) * bucket
+        group.sort(key=lambda row: len(row[1]))
+        S = score_shape(len(prefix), [], batch_size)[0]
         prefix_ids = np.full((1, S), pad, np.int32)
         prefix_mask = np.zeros((1, S), np.int32)
         prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
         for start in range(0, len(group), batch_size):
             rows = group[start:start + batch_size]
-            B = min(batch_size, max(bucket_rows(len(rows)), batch_size // 4))  # three row counts: few compiles
-            T = bucket_length(max(len(row[1]) for row in rows))
+            _, B, T = score_shape(len(prefix), [len(row[1]) for row in rows], batch_size)
             ids = np.full((B, T), pad, np.int32)
             mask = np.zeros((B, T), np.int32)
             turns = np.zeros((B, T), np.int32)

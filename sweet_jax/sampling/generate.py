@@ -139,11 +139,12 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 
 
 def bucket_prompt(n: int, minimum: int = 16) -> int:
-    """The prefill's width for prompts of up to n tokens: powers of two up to 128, then steps of a quarter of the
-    octave (160, 192, 224, 256, 320, ...; at most 1024): under 25% padding for four shapes an octave, where
-    powers of two pad up to half. The decode keeps bucket_length's coarser widths (decode_windows)."""
+    """The prefill's width for prompts of up to n tokens: powers of two up to 32, then steps of a quarter of the
+    octave (40, 48, 56, 64, 80, 96, 112, 128, 160, ...; at most 1024): under 25% padding for four shapes an
+    octave, where powers of two pad up to half (a turn's new tokens, with the prompt cache, are often 20-50). The
+    decode keeps bucket_length's coarser widths (decode_windows)."""
     n = max(int(n), minimum)
-    if n <= 128:
+    if n <= 32:
         return 1 << (n - 1).bit_length()
     step = min(1 << ((n - 1).bit_length() - 3), 1024)
     return -(-n // step) * step
@@ -493,12 +494,13 @@ class Sampler(BaseSampler):
     prompt_cache_mb: keep the K/V of prefilled prompts on the host, up to this many MB (PromptCache), so that a
                 prompt extending one of them (a dialogue's next turn) prefills only its new tokens; 0 = off
     min_cached_prefix: the shortest stored prompt worth reusing (tokens)
+    prefill_identical_once: a batch's identical prompts run one prefill row (False: a row each, as before)
     """
 
     def __init__(self, model, tokenizer=None, mesh=None, *, max_batch_size: int = 64, seed: int = 0,
                  stop_check_every: int = 32, eos_token_ids: Iterable[int] | None = None,
                  min_shared_prefix: int = 32, compact_every: int = 16, min_compact_rows: int = 4,
-                 prompt_cache_mb: int = 0, min_cached_prefix: int = 64):
+                 prompt_cache_mb: int = 0, min_cached_prefix: int = 64, prefill_identical_once: bool = True):
         if tokenizer is not None:
             check_vocab(model.config.vocab_size, tokenizer, where=f"its tokenizer ({getattr(tokenizer, 'name_or_path', '')})")
         self.tokenizer = tokenizer
@@ -517,6 +519,7 @@ class Sampler(BaseSampler):
         self.min_compact_rows = min_compact_rows
         self.prompt_cache = PromptCache(prompt_cache_mb << 20) if prompt_cache_mb > 0 else None
         self.min_cached_prefix = min_cached_prefix
+        self.prefill_identical_once = prefill_identical_once
         self._seeds = np.random.default_rng(seed)
         self._batch_shards = 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])  # 'batch' axes
         self.eos_token_ids = tuple(sorted(set(eos_token_ids))) if eos_token_ids is not None else \
@@ -688,8 +691,9 @@ class Sampler(BaseSampler):
             self.check_request(r)
         results: list[list[Sample] | None] = [None] * len(requests)
         groups, group, rows = [], [], 0
-        # Similar prompt lengths batch together: less padding and fewer distinct bucket shapes.
-        for i in sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids)):
+        # Similar prompt lengths batch together (less padding, fewer distinct bucket shapes), identical prompts
+        # side by side (prefilled once).
+        for i in sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_ids), tuple(requests[i].prompt_ids))):
             n = requests[i].params.n
             if group and rows + n > self.max_batch_size:
                 groups.append(group)
@@ -727,18 +731,25 @@ class Sampler(BaseSampler):
     def _generate_batch(self, requests: Sequence[Request], *, chunk_steps: int = 32,
                         on_chunk: Callable[[list[list[Sample]]], None] | None = None,
                         cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
-        B = bucket_rows(len(requests), self._batch_shards)
-        S = shared_prefix_length([r.prompt_ids for r in requests], self.min_shared_prefix)
-        longest = max(len(r.prompt_ids) for r in requests) - S
+        # Identical prompts (an evaluation plays each task twice, the offline stage four times) are prefilled once:
+        # one prompt row, read by every sample row of every request that asks it.
+        prompt_row_of: dict[tuple[int, ...], int] = {}
+        request_row = [prompt_row_of.setdefault(tuple(r.prompt_ids) if self.prefill_identical_once else j,
+                                                len(prompt_row_of)) for j, r in enumerate(requests)]
+        first_of_row = {row: j for j, row in reversed(list(enumerate(request_row)))}
+        prompts = [requests[first_of_row[row]] for row in range(len(prompt_row_of))]   # one a prompt row
+        B = bucket_rows(len(prompts), self._batch_shards)
+        S = shared_prefix_length([r.prompt_ids for r in prompts], self.min_shared_prefix)
+        longest = max(len(r.prompt_ids) for r in prompts) - S
         W = bucket_prompt(longest)       # the prefill's width
         P = S + bucket_length(longest)   # the decode's prompt width (its new tokens start at slot P)
         # Prompts that extend prompts prefilled before (PromptCache) start from their stored K/V when that makes
         # the prefill narrower: slots [0, C) hold each row's stored part, left-padded, and the decode's prompt
         # width stays a power of two (few decode programs)
-        stored = self._stored_prefixes(requests)
+        stored = self._stored_prefixes(prompts)
         if stored is not None:
             C = bucket_prompt(max(n for n, _, _ in stored))
-            new_longest = max(len(r.prompt_ids) - n for r, (n, _, _) in zip(requests, stored))
+            new_longest = max(len(r.prompt_ids) - n for r, (n, _, _) in zip(prompts, stored))
             if bucket_prompt(new_longest) < W:
                 W = bucket_prompt(new_longest)
                 P = bucket_length(C + W)
@@ -753,9 +764,9 @@ class Sampler(BaseSampler):
         prefix_ids = np.asarray(requests[0].prompt_ids[:S], np.int32)[None]
         input_ids = np.full((B, W), self.pad_id, np.int32)
         prompt_mask = np.zeros((B, W), np.int32)
-        starts = [S] * B if stored is None else [stored[b if b < len(requests) else 0][0] for b in range(B)]
+        starts = [S] * B if stored is None else [stored[b if b < len(prompts) else 0][0] for b in range(B)]
         for b in range(B):  # padding rows repeat the first prompt: an all-padding row would attend nothing
-            ids = requests[b if b < len(requests) else 0].prompt_ids[starts[b]:]
+            ids = prompts[b if b < len(prompts) else 0].prompt_ids[starts[b]:]
             input_ids[b, W - len(ids):] = ids
             prompt_mask[b, W - len(ids):] = 1
 
@@ -769,12 +780,16 @@ class Sampler(BaseSampler):
         stop_ids = np.full((N, stop_width), -1, np.int32)
         keys = np.zeros((N, 2), np.uint32)
         owner: list[tuple[int, int]] = []  # sample row -> (request, sample index)
+        first_sample = [0] * len(prompts)   # prompt row -> the first sample row that reads it
         row = 0
         for j, r in enumerate(requests):
             p = r.params
             seed = p.seed if p.seed is not None else int(self._seeds.integers(2**31))
+            if first_of_row[request_row[j]] == j:
+                first_sample[request_row[j]] = row
             for i in range(p.n):
-                sample_row[row], temperature[row], top_p[row], top_k[row] = j, p.temperature, p.top_p, p.top_k
+                sample_row[row], temperature[row], top_p[row] = request_row[j], p.temperature, p.top_p
+                top_k[row] = p.top_k
                 max_new_rows[row] = p.max_new_tokens
                 stop_ids[row, :len(stop_sets[j])] = stop_sets[j]
                 keys[row] = (0, mix_seed(seed, i))  # == jax.random.PRNGKey(seed) (threefry), built on host
@@ -805,10 +820,12 @@ class Sampler(BaseSampler):
                                          put(prompt_mask), put(sample_row)))
                 run = B * W
             if self.prompt_cache is not None:
-                self._store_prompts(requests, cache, starts, pre, W)
+                self._store_prompts(prompts, first_sample, cache, starts, pre, W)
         reused = 0 if stored is None else sum(n for n, _, _ in stored)
-        costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in requests) - reused, run)
+        costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in prompts) - reused, run)
         costs.add("sample_prompt_reused_tokens", reused)   # their K/V taken from the PromptCache, not run
+        costs.add("sample_prompt_repeated_tokens", sum(len(r.prompt_ids) for r in requests)
+                  - sum(len(r.prompt_ids) for r in prompts))   # prompts of the batch asked again: run once
         decode_start = time.perf_counter()
         rows = dict(prompt_len=prompt_len, cache_mask=cache_mask, temperature=put(temperature),
                     top_p=put(top_p), top_k=put(top_k), max_new=put(max_new_rows), stop_ids=put(stop_ids),
@@ -996,13 +1013,10 @@ class Sampler(BaseSampler):
             mask[b, C - n:] = 1
         return keys, values, mask
 
-    def _store_prompts(self, requests: Sequence[Request], cache, starts: Sequence[int], pre: int, W: int) -> None:
-        """Keep each request's prompt K/V (PromptCache.put): its first sample row's slots holding the prompt, the
-        part it started with (slots [pre - start, pre), or the shared prefix [0, S)) then its own tokens."""
-        first, row = [], 0
-        for r in requests:
-            first.append(row)
-            row += r.params.n
+    def _store_prompts(self, requests: Sequence[Request], first: Sequence[int], cache, starts: Sequence[int],
+                       pre: int, W: int) -> None:
+        """Keep each prompt's K/V (PromptCache.put): from `first`, a sample row that reads it, the slots holding the
+        prompt: the part it started with (slots [pre - start, pre), or the shared prefix [0, S)) then its own tokens."""
         keys, values = jax.device_get(self._cache_rows_fn(cache, self._put(np.asarray(first, np.int32),
                                                                            replicated=True)))
         for j, r in enumerate(requests):
