@@ -231,6 +231,10 @@ def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
         assert record["seconds"] > 0 and record["cpu_seconds"] > 0 and len(record["load_average"]) == 2
     diagnostics = json.loads((workdir / "results.json").read_text())["diagnostics"]
     assert diagnostics["cpu_minutes"] > 0 and diagnostics["minutes"] > 0
+    # the critic's held-out accuracy comes with the pairs it counts
+    critic = json.loads((workdir / "critic/done.json").read_text())["summary"]
+    assert diagnostics["critic_heldout_pairs"] == critic["eval_examples"]
+    assert diagnostics["critic_heldout_accuracy"] == critic["eval"].get("pair_accuracy")
 
 
 @pytest.mark.slow

@@ -875,6 +875,7 @@ def stage_report(run: Run, d: pathlib.Path, summaries: dict, methods: Sequence[s
         else None,
         "offline_tests_passed_pct": s["offline"].get("tests_passed_pct"),
         "critic_pairs": s["offline"].get("critic_pairs"),
+        "critic_heldout_pairs": s.get("critic", {}).get("eval_examples"),
         "critic_heldout_accuracy": s.get("critic", {}).get("heldout_accuracy"),
         "critic_no_info_heldout_accuracy": s.get("critic_no_info", {}).get("heldout_accuracy"),
         "policy_pairs": s.get("rank", {}).get("pairs"),

@@ -218,6 +218,7 @@ DIAGNOSTICS = (
     ("offline_success_pct", "offline trajectories: success rate of the starting policy (%)"),
     ("offline_tests_passed_pct", "offline trajectories: % tests passed"),
     ("critic_pairs", "critic (trajectory) pairs"),
+    ("critic_heldout_pairs", "critic: held-out pairs (what its accuracy counts)"),
     ("critic_heldout_accuracy", "critic with c: held-out pair accuracy"),
     ("critic_no_info_heldout_accuracy", "critic without c: held-out pair accuracy"),
     ("policy_pairs", "step-level policy pairs (with c)"),
