@@ -101,9 +101,19 @@ def test_every_heldout_episode_is_kept_and_the_report_gives_paired_intervals(run
         trajs = load_trajectories(run / f"eval/{method}/trajectories.jsonl")
         assert sorted((r[0], r[1]) for r in rows) == [(i, s) for i in range(6) for s in range(2)]
         assert sorted(r[2] for r in rows) == sorted(t.reward for t in trajs)
-    proc = subprocess.run([sys.executable, "-m", "sweet_jax.pipeline_report", str(run), "--out", str(tmp_path / "rep")],
+    # the rankings' agreement with the oracle by state and the policies' replies by kind, beside results.json
+    diagnostics = run / "diagnostics.json"
+    proc = subprocess.run([sys.executable, "-m", "sweet_jax.pipeline_diagnostics", str(run), "--out", str(diagnostics)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sweet_jax.pipeline_report", str(run), "--out",
+                               str(tmp_path / "rep")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        diagnostics.unlink()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "oracle agreement (%)" in proc.stdout and "| SWEET-RL (with c) | 0 |" in proc.stdout
+    assert "| the oracle (control) | 0 |" in proc.stdout and "iterative round" not in proc.stdout
     est = intervals.bootstrap_interval(intervals.paired_differences([episodes], "sweet", "mtdpo"))
     assert f"| SWEET-RL - Multi-Turn DPO | {100 * est[0]:+.1f} [{100 * est[1]:+.1f}, {100 * est[2]:+.1f}]" in \
         proc.stdout

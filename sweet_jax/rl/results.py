@@ -106,7 +106,7 @@ def behaviour_table(runs: Sequence[dict]) -> str:
 
 
 RANKING_NAMES = {"rank": "SWEET-RL (with c)", "rank_no_info": "SWEET-RL w/o c",
-                 "rank_balanced": "with c, turn prompts balanced by state"}
+                 "rank_balanced": "with c, turn prompts balanced by state", "rank_oracle": "the oracle (control)"}
 # The pair kinds whose count and errors the rankings table shows (pipeline_diagnostics' by_kind keys).
 RANKING_KINDS = ("question over answer", "answer over question", "all values known: question over answer",
                  "all values known: answer over question")

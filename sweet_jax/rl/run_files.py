@@ -173,6 +173,10 @@ def check_run_diagnostics(report, path) -> dict:
                 f.count(f.object(counts, f"{at}.by_kind.{kind}").get(verdict, 0), f"{at}.by_kind.{kind}.{verdict}")
     for name, figures in f.object(report.get("behaviour", {}), "behaviour").items():
         for key, value in f.object(figures, f"behaviour.{name}").items():
+            if isinstance(value, dict):   # a breakdown (the discovery family's replies_per_episode by kind)
+                for part, number in value.items():
+                    f.number(number, f"behaviour.{name}.{key}.{part}", 0)
+                continue
             f.number(value, f"behaviour.{name}.{key}", 0, optional=True)
     return report
 
