@@ -733,11 +733,13 @@ class Sampler(BaseSampler):
                         cancelled: Callable[[int], bool] | None = None) -> list[list[Sample]]:
         # Identical prompts (an evaluation plays each task twice, the offline stage four times) are prefilled once:
         # one prompt row, read by every sample row of every request that asks it.
-        prompt_row_of: dict[tuple[int, ...], int] = {}
-        request_row = [prompt_row_of.setdefault(tuple(r.prompt_ids) if self.prefill_identical_once else j,
-                                                len(prompt_row_of)) for j, r in enumerate(requests)]
-        first_of_row = {row: j for j, row in reversed(list(enumerate(request_row)))}
-        prompts = [requests[first_of_row[row]] for row in range(len(prompt_row_of))]   # one a prompt row
+        asked = [tuple(r.prompt_ids) if self.prefill_identical_once else j for j, r in enumerate(requests)]
+        first_asked: dict[Any, int] = {}   # a prompt -> the first request that asks it
+        for j, key in enumerate(asked):
+            first_asked.setdefault(key, j)
+        prompts = [requests[j] for j in first_asked.values()]   # one a prompt row
+        row_of_key = {key: row for row, key in enumerate(first_asked)}
+        request_row = [row_of_key[key] for key in asked]
         B = bucket_rows(len(prompts), self._batch_shards)
         S = shared_prefix_length([r.prompt_ids for r in prompts], self.min_shared_prefix)
         longest = max(len(r.prompt_ids) for r in prompts) - S
@@ -785,7 +787,7 @@ class Sampler(BaseSampler):
         for j, r in enumerate(requests):
             p = r.params
             seed = p.seed if p.seed is not None else int(self._seeds.integers(2**31))
-            if first_of_row[request_row[j]] == j:
+            if first_asked[asked[j]] == j:   # the request whose prompt row this is
                 first_sample[request_row[j]] = row
             for i in range(p.n):
                 sample_row[row], temperature[row], top_p[row] = request_row[j], p.temperature, p.top_p
