@@ -382,13 +382,12 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
     for group in by_prefix.values():
         prefix = group[0][0]
         group.sort(key=lambda row: len(row[1]))
-        S = score_shape(len(prefix), [], batch_size)[0]
-        prefix_ids = np.full((1, S), pad, np.int32)
-        prefix_mask = np.zeros((1, S), np.int32)
-        prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
         for start in range(0, len(group), batch_size):
             rows = group[start:start + batch_size]
-            _, B, T = score_shape(len(prefix), [len(row[1]) for row in rows], batch_size)
+            S, B, T = score_shape(len(prefix), [len(row[1]) for row in rows], batch_size)
+            prefix_ids = np.full((1, S), pad, np.int32)
+            prefix_mask = np.zeros((1, S), np.int32)
+            prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
             ids = np.full((B, T), pad, np.int32)
             mask = np.zeros((B, T), np.int32)
             turns = np.zeros((B, T), np.int32)

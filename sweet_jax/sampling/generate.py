@@ -782,13 +782,12 @@ class Sampler(BaseSampler):
         stop_ids = np.full((N, stop_width), -1, np.int32)
         keys = np.zeros((N, 2), np.uint32)
         owner: list[tuple[int, int]] = []  # sample row -> (request, sample index)
-        first_sample = [0] * len(prompts)   # prompt row -> the first sample row that reads it
+        first_row: list[int] = []   # request -> its first sample row
         row = 0
         for j, r in enumerate(requests):
             p = r.params
             seed = p.seed if p.seed is not None else int(self._seeds.integers(2**31))
-            if first_asked[asked[j]] == j:   # the request whose prompt row this is
-                first_sample[request_row[j]] = row
+            first_row.append(row)
             for i in range(p.n):
                 sample_row[row], temperature[row], top_p[row] = request_row[j], p.temperature, p.top_p
                 top_k[row] = p.top_k
@@ -822,7 +821,7 @@ class Sampler(BaseSampler):
                                          put(prompt_mask), put(sample_row)))
                 run = B * W
             if self.prompt_cache is not None:
-                self._store_prompts(prompts, first_sample, cache, starts, pre, W)
+                self._store_prompts(prompts, [first_row[j] for j in first_asked.values()], cache, starts, pre, W)
         reused = 0 if stored is None else sum(n for n, _, _ in stored)
         costs.tokens("sample_prompt", sum(len(r.prompt_ids) for r in prompts) - reused, run)
         costs.add("sample_prompt_reused_tokens", reused)   # their K/V taken from the PromptCache, not run
