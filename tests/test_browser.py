@@ -16,7 +16,7 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from sweet_jax.envs.browser import PLACEHOLDER_URL, RendererPool, placeholder_png
 from sweet_jax.envs.clip_reward import clip_pixels
 
-TIME_LIMIT_S = 6.0
+TIME_LIMIT_S = 15.0   # a page takes under a second idle; a loaded CI host has been seen to take 8x that
 MAX_HEIGHT = 3000
 
 
@@ -127,7 +127,7 @@ def test_an_endless_script_loses_its_page_and_the_next_page_renders(pool):
 
 def test_a_huge_page_is_cut_at_the_maximum_height(pool):
     render = pool.render("<body style='margin:0'><div style='height:5000000px;width:50000px;"
-                         "background:linear-gradient(red, blue)'></div></body>")
+                         "background:#0000ff'></div></body>")
     width, height = render.size
     assert height == MAX_HEIGHT and width <= 4 * 1280
 

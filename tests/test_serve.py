@@ -608,11 +608,19 @@ def test_a_head_trickled_line_by_line_is_cut_at_one_deadline(bounded_server):
     assert _post(bounded_server, "/v1/models", None, method="GET")[0] == 200
 
 
-def test_connections_over_the_cap_are_refused_not_spun_on(bounded_server):
-    idle = [socket.create_connection((bounded_server.host, bounded_server.port), timeout=30) for _ in range(4)]
+@pytest.fixture
+def capped_server(server):
+    """Four connections at most, and a read timeout no loaded host outlasts: an idle connection keeps its slot."""
+    with start_server(server.app.sampler, port=0, model_name="tiny", read_timeout_s=120.0, max_connections=4) as srv:
+        yield srv
+
+
+def test_connections_over_the_cap_are_refused_not_spun_on(capped_server):
+    # The accept loop takes the backlog in order and each accepted connection holds its slot until it closes, so
+    # the fifth connection is refused without waiting for the first four.
+    idle = [socket.create_connection((capped_server.host, capped_server.port), timeout=30) for _ in range(4)]
     try:
-        time.sleep(0.2)   # all four accepted
-        reply = _raw_exchange(bounded_server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = _raw_exchange(capped_server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
         assert "4 connections" in json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"]
     finally:
@@ -621,7 +629,7 @@ def test_connections_over_the_cap_are_refused_not_spun_on(bounded_server):
 
     def models_answered():
         try:
-            return _post(bounded_server, "/v1/models", None, method="GET")[0] == 200
+            return _post(capped_server, "/v1/models", None, method="GET")[0] == 200
         except ConnectionError:   # still over the cap: answered 503 and closed before the request was all sent
             return False
 
