@@ -49,6 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.max_len = 1024             # tokens per sequence (after bucketing)
     c.data.bucket = 128               # sequence lengths are rounded up to a multiple of this
     c.data.micro_bucket = 0           # one CPU device: each micro-batch's length rounds up to this (0 = data.bucket)
+    c.data.share_prefix = True        # one CPU device: a pair's sequences as one row, their common prefix run once
     c.data.length_policy = "truncate"  # truncate | drop | cut_right (official): sequences longer than max_len
     c.data.mask_style = "turns"       # turns (reply + end-of-turn) | official (the fork's mask, data/render.py)
     c.data.info_template = OFFICIAL_INFO_TEMPLATE  # how c is said: the official code's wording

@@ -3,6 +3,7 @@ every example's sequences."""
 import jax
 import ml_collections
 import numpy as np
+import pytest
 from flax import nnx
 
 from sweet_jax.data.datasets import Dataset
@@ -81,6 +82,39 @@ def test_the_deduplicated_reference_pass_equals_the_pass_over_every_example_and_
         for x, y, seq in zip(a, b, example):
             assert x.shape == y.shape == (len(seq),)
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_reference_pass_cut_to_each_batch_s_longest_sequence_has_the_bucketed_values(side):
+    """length_multiple: each batch runs at its longest sequence rounded up to 4 (the buckets double: 16, 32, 64),
+    with the same values on either padding side."""
+    dataset = pairs_with_repeats(seed=3)
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ref_fn = steps.make_ref_logp_fn(graphdef, rest=rest, chunk_size=8)
+    widths = []
+
+    def counted(params, batch):
+        widths.append(batch["input_ids"].shape[-1])
+        return ref_fn(params, batch)
+
+    def sided(dataset, **kwargs):
+        config = ml_collections.ConfigDict({"train": {"batch_size": 4, "seed": 0}, "loss": {"score_positions": False},
+                                            "data": {"padding_side": side, "max_len": 64, "bucket": 16}})
+        return dataset.batches(config, pad_id=0, **kwargs)
+
+    sharding = steps.batch_sharding(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                                      ("data", "fsdp", "tensor")))
+    bucketed = passes.reference_pass(counted, params, dataset, sided, sharding, side)
+    bucket_widths, widths[:] = list(widths), []
+    cut = passes.reference_pass(counted, params, dataset, sided, sharding, side, length_multiple=4)
+    assert all(w % 4 == 0 for w in widths) and sum(widths) < sum(bucket_widths)
+    assert set(bucket_widths) <= {16, 32, 64} and not set(widths) <= {16, 32, 64}
+    for a, b, example in zip(cut, bucketed, dataset.examples):
+        for x, y, seq in zip(a, b, example):
+            assert x.shape == y.shape == (len(seq),)
+            # A sequence's first token has no label log-prob (left-padded, it reads whatever padding precedes it)
+            np.testing.assert_allclose(x[1:], y[1:], rtol=1e-5, atol=1e-5)
 
 
 def test_a_run_that_stops_early_gets_reference_log_probs_for_the_examples_its_steps_reach_only():

@@ -159,7 +159,7 @@ def test_host_loop_runs_each_micro_batch_at_its_own_length_with_the_same_step(ki
     optimizer = optax.sgd(0.1)
     state = steps.create_train_state(make_model(), optimizer)
     step = steps.make_step(loss_spec(kind, beta=0.5, nll_coef=0.0 if kind == "critic" else 0.1), state, optimizer,
-                           micro_batch_size=1, length_multiple=8)
+                           micro_batch_size=1, length_multiple=8, share_prefix=False)
     assert isinstance(step, steps.HostLoopStep)   # the default on one CPU device
     state, metrics = step(state, batch)
     lengths = [shape[-1] for shape in step.last_micro_shapes]
@@ -496,3 +496,103 @@ def test_stacked_layer_mask_marks_scanned_layers_only():
             stacked_layer_mask(params))}
         assert any(marked.values()) == scan
         assert all(m == (scan and k.startswith("['layers']")) for k, m in marked.items())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A pair's shared prefix run once
+
+
+def prefix_pair_batch(seed=0, T=24):
+    """Right-padded pairs whose sequences share a prefix of 0 to all of the shorter one's tokens: rows 0-4 a
+    prefix of 0, 1, 5, 9 and 11 tokens, row 5 a rejected sequence that is the chosen one's prefix, row 6 two
+    identical sequences, row 7 a filler (one pad token, weight 0)."""
+    batch = pair_batch(B=8, T=T, seed=seed, side="right")   # every sequence has >= T / 2 tokens
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    n = mask.sum(-1)
+    for b, k in enumerate((0, 1, 5, 9, 11)):
+        ids[b, 1, :k] = ids[b, 0, :k]
+        ids[b, 1, k] = 3 + (ids[b, 0, k] - 2) % (CFG.vocab_size - 3)   # and differ right after it
+    shorter = int(n[5].min())
+    ids[5, 1, :shorter] = ids[5, 0, :shorter]
+    mask[5, 1] = np.arange(T) < shorter
+    mask[5, 0] = np.arange(T) < T
+    for key in ("input_ids", "attention_mask", "turn_ids"):
+        batch[key][6, 1] = batch[key][6, 0]
+    batch["input_ids"][7], batch["attention_mask"][7], batch["turn_ids"][7] = 0, 0, 0
+    batch["attention_mask"][7, :, 0] = 1
+    batch["weight"] = np.array([1] * 7 + [0], np.float32)
+    batch["input_ids"] = np.where(batch["attention_mask"] > 0, ids, 0).astype(np.int32)
+    batch["turn_ids"] = np.where(batch["attention_mask"] > 0, batch["turn_ids"], 0).astype(np.int32)
+    return batch
+
+
+def test_a_packed_row_holds_the_shared_prefix_once_and_each_sequence_at_its_positions():
+    from sweet_jax.data import batching
+    batch = prefix_pair_batch()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    packed = batching.pack_shared_prefix(ids, mask, length_multiple=8)
+    n = mask.sum(-1)
+    shared = [0, 1, 5, 9, 11, int(n[5].min()), int(n[6, 0]), 1]
+    for b in range(8):
+        k = shared[b]
+        assert np.all(ids[b, 0, :k] == ids[b, 1, :k]) and (k == n[b].min() or ids[b, 0, k] != ids[b, 1, k])
+        segments = packed["packed_segments"][b]
+        assert np.count_nonzero(segments == 1) == k
+        assert np.count_nonzero(segments) == k + (n[b] - k).sum()   # the prefix once, then each one's rest
+        for p in range(2):
+            where = packed["packed_index"][b, p, :n[b, p]]
+            np.testing.assert_array_equal(packed["packed_ids"][b, where], ids[b, p, :n[b, p]])
+            np.testing.assert_array_equal(packed["packed_positions"][b, where], np.arange(n[b, p]))
+            np.testing.assert_array_equal(segments[where], np.where(np.arange(n[b, p]) < k, 1, p + 2))
+    assert packed["packed_ids"].shape[1] % 8 == 0
+    left = pair_batch(B=2, side="left")
+    assert batching.pack_shared_prefix(left["input_ids"], left["attention_mask"], length_multiple=8) is None
+    assert batching.pack_shared_prefix(ids, mask, length_multiple=48) is None   # not fewer tokens than 2 x 24
+
+
+@pytest.mark.parametrize("impl", ["xla", "blocked", "chunked"])
+@pytest.mark.parametrize("scored", [False, True])
+def test_packed_pairs_give_the_log_probs_of_each_sequence_run_alone(impl, scored):
+    """The attention's segments keep each sequence from the other's tokens: every label log-prob of a packed row
+    equals the one of its sequence run alone, for each attention implementation (blocks and chunks of 8 queries,
+    so the segments cross block edges)."""
+    from sweet_jax.data import batching
+    cfg = dataclasses.replace(CFG, attention_impl=impl, attention_block_size=8, attention_chunk_size=8)
+    model = Llama(cfg, rngs=nnx.Rngs(3))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = prefix_pair_batch(seed=5)
+    if scored:
+        batch["score_pos"] = batching.score_positions(batch["turn_ids"], 12)
+    packed = dict(batch, **batching.pack_shared_prefix(batch["input_ids"], batch["attention_mask"],
+                                                       length_multiple=8))
+    alone = steps._pair_logprobs(graphdef, params, rest, batch, None)
+    together = steps._pair_logprobs(graphdef, params, rest, packed, None)
+    scored_mask = (batch["score_pos"] > 0) if scored else (batch["attention_mask"] > 0)
+    np.testing.assert_allclose(np.where(scored_mask, together, 0), np.where(scored_mask, alone, 0),
+                               rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["critic", "dpo", "mtdpo"])
+def test_a_shared_prefix_step_equals_the_side_by_side_step(kind):
+    """HostLoopStep(share_prefix=True) runs each pair as one packed row (fewer tokens) and takes the same two
+    steps as the pairs side by side: the same metrics and parameters."""
+    batch = prefix_pair_batch(seed=9)
+    results = {}
+    for share in (False, True):
+        optimizer = optax.sgd(0.1)
+        state = steps.create_train_state(make_model(), optimizer)
+        step = steps.make_step(loss_spec(kind, beta=0.5, nll_coef=0.0 if kind == "critic" else 0.1), state,
+                               optimizer, micro_batch_size=2, length_multiple=8, share_prefix=share)
+        for _ in range(2):
+            state, metrics = step(state, batch)
+        results[share] = (state, jax.device_get(metrics), list(step.last_micro_shapes), step.last_run_tokens)
+    (side_state, side, side_shapes, side_tokens), (state, packed, shapes, tokens) = results[False], results[True]
+    # [mb, P, T] side by side; [mb, L] packed, where that runs fewer tokens (not for the pairs with no prefix)
+    assert all(len(s) == 3 for s in side_shapes) and sum(len(s) == 2 for s in shapes) >= 3
+    assert tokens < side_tokens == int(batch["attention_mask"].sum())
+    for name in side:
+        np.testing.assert_allclose(packed[name], side[name], rtol=2e-5, atol=1e-6, err_msg=name)
+    want = flat_params(side_state)
+    for name, value in flat_params(state).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -138,6 +138,62 @@ def score_positions(turn_ids: np.ndarray, length: int) -> np.ndarray:
     return out.reshape(*turn_ids.shape[:-1], length)
 
 
+def real_window(attention_mask: np.ndarray, length_multiple: int) -> slice:
+    """The window of the last axis that holds every real token of [..., T] rows, its length rounded up to a
+    multiple of length_multiple (at most T): [0, L) when right-padded, [T - L, T) when left-padded (positions
+    come from the mask, so the cut shifts nothing); rows padded on both sides keep all of T."""
+    T = attention_mask.shape[-1]
+    real_T = np.flatnonzero(attention_mask.reshape(-1, T).any(axis=0))
+    lo, hi = (int(real_T[0]), int(real_T[-1]) + 1) if len(real_T) else (0, 1)
+    L = min(T, -(-(hi - lo) // length_multiple) * length_multiple)
+    start = min(lo, T - L)
+    return slice(start, start + L)
+
+
+def pack_shared_prefix(input_ids_BPT: np.ndarray, attention_mask_BPT: np.ndarray, *,
+                       length_multiple: int) -> dict[str, np.ndarray] | None:
+    """Each example's P right-padded sequences as one row: the prefix all P share, once, then each sequence's
+    remaining tokens. A critic or DPO pair shares its task prompt (and c), a step-level pair its whole turn prompt,
+    so the row holds fewer tokens than the two sequences side by side (discovery seed 0's pairs: 0.57x for
+    step-level pairs, 0.71x for critic pairs).
+
+    Returns packed_ids, packed_segments (attention.py's segment ids: 0 padding, 1 the prefix, p + 2 sequence p's
+    own tokens) and packed_positions int32 [B, L], each token at its position in its own sequence; and
+    packed_index int32 [B, P, T], where sequence p's token t sits in the row (0 past its end). L is the longest
+    row rounded up to length_multiple. None when a sequence is not right-padded, or when packing would not run
+    fewer tokens than the P x T side by side."""
+    B, P, T = input_ids_BPT.shape
+    lengths_BP = attention_mask_BPT.sum(axis=-1)
+    if not np.array_equal(attention_mask_BPT > 0, np.arange(T) < lengths_BP[..., None]):
+        return None
+    shared_B = np.zeros(B, np.int64)
+    for b in range(B):
+        shortest = int(lengths_BP[b].min())
+        differs = np.flatnonzero((input_ids_BPT[b, :, :shortest] != input_ids_BPT[b, :1, :shortest]).any(axis=0))
+        shared_B[b] = differs[0] if len(differs) else shortest
+    row_lengths = shared_B + (lengths_BP - shared_B[:, None]).sum(axis=1)
+    L = -(-int(row_lengths.max()) // length_multiple) * length_multiple
+    if L >= P * T:
+        return None
+    ids = np.zeros((B, L), np.int32)
+    segments = np.zeros((B, L), np.int32)
+    positions = np.zeros((B, L), np.int32)
+    index = np.zeros((B, P, T), np.int32)
+    for b in range(B):
+        k = int(shared_B[b])
+        ids[b, :k], segments[b, :k], positions[b, :k] = input_ids_BPT[b, 0, :k], 1, np.arange(k)
+        index[b, :, :k] = np.arange(k)
+        start = k
+        for p in range(P):
+            n = int(lengths_BP[b, p])
+            end = start + n - k
+            ids[b, start:end], segments[b, start:end] = input_ids_BPT[b, p, k:n], p + 2
+            positions[b, start:end] = np.arange(k, n)
+            index[b, p, k:n] = np.arange(start, end)
+            start = end
+    return {"packed_ids": ids, "packed_segments": segments, "packed_positions": positions, "packed_index": index}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Which host holds which examples
 

@@ -10,6 +10,11 @@ Self-attention (training, scoring, a sampler's prefill), chosen per call by `res
   "cudnn"    GPU fused attention (16-bit compute only), causal flag + key lengths for right padding.
 Cached decoding (few queries over a long cache): `cached_attention`, over the heads-major cache below.
 Fully masked (padding) query rows differ between implementations; real rows agree.
+
+The key mask of self-attention is either key-valid flags [B, T] bool (padding) or segment ids [B, T] int32:
+sequences packed into one row behind the prefix they share (steps.pack_shared_prefix). Segment 0 is padding,
+1 the shared prefix, s >= 2 one sequence's own tokens; a query sees the prefix's keys and its own segment's
+(causally), never another sequence's, so each sequence's values are those it has run alone.
 """
 from __future__ import annotations
 
@@ -62,15 +67,30 @@ def write_kv_cache(layer_cache: dict, k_BTKH: jax.Array, v_BTKH: jax.Array, cach
 # Masks and implementations
 # ----------------------------------------------------------------------------------------------------------
 
-def causal_mask(T: int, S: int, key_valid_BS: jax.Array | None = None, query_offset=0) -> jax.Array:
+def is_segments(key_mask) -> bool:
+    """Whether a self-attention key mask is segment ids (int) rather than key-valid flags (bool); module note."""
+    return key_mask is not None and jnp.issubdtype(key_mask.dtype, jnp.integer)
+
+
+def causal_mask(T: int, S: int, key_valid_BS: jax.Array | None = None, query_offset=0,
+                query_segments_BT: jax.Array | None = None) -> jax.Array:
     """[B or 1, 1, T, S] bool: query row i (at slot query_offset + i) sees key slots j <= query_offset + i
-    that are valid. Built from iota comparisons, so XLA never constant-folds a [T, S] table."""
+    that are valid. Built from iota comparisons, so XLA never constant-folds a [T, S] table.
+
+    key_valid_BS as segment ids (is_segments): a key is valid when its segment is > 0, and a query sees it when
+    it is the shared prefix (1) or the query's own segment: query_segments_BT [B, T], by default the keys' ids
+    at the query slots (a Python int query_offset)."""
     rows_TS = jax.lax.broadcasted_iota(jnp.int32, (T, S), 0) + query_offset
     cols_TS = jax.lax.broadcasted_iota(jnp.int32, (T, S), 1)
     mask_11TS = (cols_TS <= rows_TS)[None, None]
     if key_valid_BS is None:
         return mask_11TS
-    return mask_11TS & key_valid_BS[:, None, None, :]
+    if not is_segments(key_valid_BS):
+        return mask_11TS & key_valid_BS[:, None, None, :]
+    if query_segments_BT is None:
+        query_segments_BT = key_valid_BS[:, query_offset:query_offset + T]
+    keys_B11S, queries_B1T1 = key_valid_BS[:, None, None, :], query_segments_BT[:, None, :, None]
+    return mask_11TS & (keys_B11S > 0) & ((keys_B11S == 1) | (keys_B11S == queries_B1T1))
 
 
 def chunked_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, chunk_size: int = 512) -> jax.Array:
@@ -88,14 +108,18 @@ def chunked_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, chunk_size: 
     if n * C != T:
         q_BTNH = jnp.pad(q_BTNH, ((0, 0), (0, n * C - T), (0, 0), (0, 0)))
     q_nBCNH = q_BTNH.reshape(B, n, C, N, H).swapaxes(0, 1)
+    # Segment ids (self-attention: S == T): each block's queries' own ids travel with it.
+    seg_BT = key_valid_BS if is_segments(key_valid_BS) else jnp.zeros((B, T), jnp.int32)
+    seg_nBC = jnp.pad(seg_BT, ((0, 0), (0, n * C - T))).reshape(B, n, C).swapaxes(0, 1)
 
     @jax.checkpoint
-    def block(q_BCNH, start):
-        mask_B1CS = causal_mask(C, S, key_valid_BS, query_offset=start)
+    def block(q_BCNH, start, seg_BC):
+        mask_B1CS = causal_mask(C, S, key_valid_BS, query_offset=start,
+                                query_segments_BT=seg_BC if is_segments(key_valid_BS) else None)
         return jax.nn.dot_product_attention(q_BCNH, k_BSKH, v_BSKH, mask=mask_B1CS, implementation="xla")
 
     _, out_nBCNH = jax.lax.scan(lambda _, xs: (None, block(*xs)), None,
-                                (q_nBCNH, jnp.arange(n, dtype=jnp.int32) * C))
+                                (q_nBCNH, jnp.arange(n, dtype=jnp.int32) * C, seg_nBC))
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * C, N, H)[:, :T]
 
 
@@ -157,8 +181,8 @@ def resolve_attention_impl(config, seq_len: int | None = None) -> str:
 
 
 def self_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, config) -> jax.Array:
-    """Causal self-attention of T tokens (+ key padding mask [B, T] or None) -> [B, T, N, H], by the
-    implementation `resolve_attention_impl` picks for T. config: a LlamaConfig."""
+    """Causal self-attention of T tokens (+ key padding mask [B, T] or None, or segment ids: module note) ->
+    [B, T, N, H], by the implementation `resolve_attention_impl` picks for T. config: a LlamaConfig."""
     T = q_BTNH.shape[1]
     impl = resolve_attention_impl(config, T)
     if impl == "chunked":
@@ -169,11 +193,11 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, config) -> jax.Array:
         # activations at T = 512) for ~3% more step FLOPs; without differentiation nothing changes.
         return jax.checkpoint(functools.partial(blocked_causal_attention, block_size=config.attention_block_size))(
             q_BTNH, k_BTKH, v_BTKH, key_valid_BT)
-    if impl == "cudnn":
+    if impl == "cudnn" and not is_segments(key_valid_BT):  # packed segments take the XLA path's dense mask
         return fused_causal_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, implementation="cudnn")
     # A padding query row may see no key at all; XLA's attention then averages uniformly (finite).
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=causal_mask(T, T, key_valid_BT),
-                                        implementation=impl)
+                                        implementation="xla" if impl == "cudnn" else impl)
 
 
 def fused_causal_attention(q_BTNH, k_BTKH, v_BTKH, key_valid_BT, *, implementation: str) -> jax.Array:

@@ -430,7 +430,8 @@ class Attention(nnx.Module):
         self.config = c
 
     def __call__(self, x_BTD, cos, sin, mask, kv_cache=None, cache_pos=None):
-        """mask: without a cache, key_valid [B, T] bool or None (all valid), causal by index;
+        """mask: without a cache, key_valid [B, T] bool or None (all valid), causal by index, or segment ids
+        [B, T] int32 (attention.py's module note);
         with a cache (attention.KVCache, one layer's), the full [B, 1, T, S] bool mask over cache slots.
         Returns (out [B, T, D], the layer's updated cache or None)."""
         q_BTNH = apply_rope(self.q_proj(x_BTD), cos, sin)
@@ -597,10 +598,12 @@ class Llama(nnx.Module):
             return x_BTD
         return jax.lax.with_sharding_constraint(x_BTD, jax.sharding.PartitionSpec(*spec))
 
-    def hidden_states(self, input_ids, attention_mask=None, positions=None, *, cache=None, cache_pos=None):
+    def hidden_states(self, input_ids, attention_mask=None, positions=None, *, cache=None, cache_pos=None,
+                      segments=None):
         """Final-norm hidden states [B, T, D] (compute dtype); with a cache, (hidden, new_cache).
 
-        Without a cache: attention_mask [B, T] (1 real, 0 pad), causal by index.
+        Without a cache: attention_mask [B, T] (1 real, 0 pad), causal by index; or segments [B, T] int32 with
+        positions: sequences packed behind a shared prefix (attention.py's module note; no attention_mask).
         With a cache: attention_mask [B, S=max_len] marks valid slots (including the T being written now),
         the new K/V land at slots [cache_pos, cache_pos + T) and query i sees valid slots j <= cache_pos + i.
         """
@@ -616,6 +619,10 @@ class Llama(nnx.Module):
                 positions = jax.lax.dynamic_slice_in_dim(
                     positions_from_mask(slot_valid_BS.astype(jnp.int32)), cache_pos, T, axis=1)
             mask = causal_mask(T, S, slot_valid_BS, query_offset=cache_pos)  # [B, 1, T, S]
+        elif segments is not None:
+            if positions is None or attention_mask is not None:
+                raise ValueError("packed segments need their positions, and no attention_mask")
+            mask = jnp.asarray(segments, jnp.int32)  # segment ids [B, T]; the attention reads them as its mask
         elif attention_mask is not None:
             mask = jnp.asarray(attention_mask).astype(bool)  # key_valid [B, T]; causal built in attention
             if positions is None:

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from sweet_jax import costs
 from sweet_jax.config_utils import TrainConfigError
+from sweet_jax.data import batching
 from sweet_jax.data.datasets import Dataset
 
 
@@ -94,25 +95,30 @@ def trained_examples(batches, num_steps: int) -> set[int]:
 
 
 def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str, *,
-                   deduplicate: bool = True, only: Collection[int] | None = None) -> list:
+                   deduplicate: bool = True, only: Collection[int] | None = None,
+                   length_multiple: int | None = None) -> list:
     """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
     (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist.
     deduplicate (one process): each distinct sequence is run once (distinct_sequences); the same values up to
     float rounding (a sequence's batch neighbours and padded length differ). only (one process): the examples
-    that need them (a run that stops before an epoch ends trains on a part of its split); None for the others."""
+    that need them (a run that stops before an epoch ends trains on a part of its split); None for the others.
+    length_multiple (one process): each batch cut to its own longest sequence rounded up to it
+    (batching.real_window), not run at its bucket (buckets double: a 300-token batch would run 512)."""
     if (deduplicate or only is not None) and jax.process_count() == 1 and len(dataset):
         distinct, where = distinct_sequences(dataset, only)
         refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side,
-                              deduplicate=False) if distinct.examples else []
+                              deduplicate=False, length_multiple=length_multiple) if distinct.examples else []
         return [None if at is None else tuple(refs[e][p] for e, p in at) for at in where]
     it, batch_steps = one_pass(dataset, make_batches, score_positions=False)  # the reference covers every token
     refs: list = [None] * len(dataset)
     lo = it.process_index * it.local_batch_size
     for step in tqdm(batch_steps, desc="reference log-probs", unit="batch", disable=jax.process_index() != 0):
-        batch = it.batch_at(0, step)
+        batch = {k: v for k, v in it.batch_at(0, step).items() if k in ("input_ids", "attention_mask", "turn_ids")}
+        if length_multiple and jax.process_count() == 1:
+            cut = batching.real_window(batch["attention_mask"], length_multiple)
+            batch = {k: v[..., cut] for k, v in batch.items()}
         with costs.timed("ref_logp_pass"):
-            logp_BPT = to_host(ref_logp_fn(params, to_global(
-                {k: batch[k] for k in ("input_ids", "attention_mask", "turn_ids")}, sharding)))
+            logp_BPT = to_host(ref_logp_fn(params, to_global(batch, sharding)))
         costs.tokens("ref_logp", batch["attention_mask"].sum(), batch["attention_mask"].size)
         T = batch["input_ids"].shape[-1]
         for row, i in enumerate(it.local_indices(0, step)):

@@ -155,12 +155,17 @@ def sequence_logprobs(graphdef, params, rest, input_ids_NT, attention_mask_NT, *
                                   positions_NS=positions_NS, temperature=temperature)
 
 
-def _sequence_logprobs(model, input_ids_NT, attention_mask_NT, *, chunk_size, positions_NS, temperature):
-    hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
+def _unembedding(model, temperature: float):
+    """(the [D, V] unembedding scaled by 1 / temperature, its gradient's PartitionSpec: unembed_grad_spec)."""
     unembed = model.unembedding()
     if temperature != 1.0:
         unembed = unembed / jnp.asarray(temperature, unembed.dtype)  # logits are linear in the unembedding
-    grad_spec = unembed_grad_spec(unembed.shape)
+    return unembed, unembed_grad_spec(unembed.shape)
+
+
+def _sequence_logprobs(model, input_ids_NT, attention_mask_NT, *, chunk_size, positions_NS, temperature):
+    hidden_NTD = model.hidden_states(input_ids_NT, attention_mask_NT)
+    unembed, grad_spec = _unembedding(model, temperature)
     if positions_NS is not None:
         return losses.token_logprobs_at(hidden_NTD, unembed, input_ids_NT, positions_NS, chunk_size=chunk_size,
                                         unembed_grad_spec=grad_spec)
@@ -180,7 +185,10 @@ def unembed_grad_spec(shape_DV):
 
 def _pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature: float = 1.0):
     """Label log-probs [B, P, T]; with batch['score_pos'] [B, P, S] (the action tokens' positions, -1 = padding,
-    from BatchIterator(score_positions=True)), only there: [B, P, S], the unembedding run on S positions."""
+    from BatchIterator(score_positions=True)), only there: [B, P, S], the unembedding run on S positions.
+    A packed batch (batching.pack_shared_prefix's arrays beside the [B, P, T] ones) runs one row an example."""
+    if "packed_ids" in batch:
+        return _packed_pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature)
     B, P, T = batch["input_ids"].shape
     positions = batch.get("score_pos")
     logp = sequence_logprobs(graphdef, params, rest, batch["input_ids"].reshape(B * P, T),
@@ -188,6 +196,29 @@ def _pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature: float
                              positions_NS=None if positions is None else positions.reshape(B * P, -1),
                              temperature=temperature)
     return logp.reshape(B, P, -1)
+
+
+def _packed_pair_logprobs(graphdef, params, rest, batch, chunk_size, temperature: float = 1.0):
+    """`_pair_logprobs` of a packed batch: one forward over each example's row (its P sequences behind their
+    shared prefix, batching.pack_shared_prefix). Sequence p's log-prob at position t is its label token t read
+    from the hidden state of its token t - 1, wherever the row holds that token; the attention's segments keep
+    every sequence from seeing another's tokens, so the values are those of the P rows run side by side."""
+    model = nnx.merge(graphdef, params, rest)
+    B, P, T = batch["input_ids"].shape
+    positions_BPS = batch.get("score_pos")
+    if positions_BPS is None:
+        positions_BPS = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, P, T))
+    S = positions_BPS.shape[-1]
+    prev_BPS = jnp.take_along_axis(batch["packed_index"], jnp.maximum(positions_BPS - 1, 0), axis=-1)
+    labels_BPS = jnp.take_along_axis(batch["input_ids"], jnp.maximum(positions_BPS, 0), axis=-1)
+    with cpu_matmul.unembedding(model.config.matmul):
+        hidden_BLD = model.hidden_states(batch["packed_ids"], positions=batch["packed_positions"],
+                                         segments=batch["packed_segments"])
+        hidden_BXD = jnp.take_along_axis(hidden_BLD, prev_BPS.reshape(B, P * S)[..., None], axis=1)
+        unembed, grad_spec = _unembedding(model, temperature)
+        logp_BX = losses.label_logprobs(hidden_BXD, unembed, labels_BPS.reshape(B, P * S), chunk_size=chunk_size,
+                                        unembed_grad_spec=grad_spec)
+    return jnp.where(positions_BPS > 0, logp_BX.reshape(B, P, S), 0.0)  # position 0 predicts nothing
 
 
 def pair_loss(spec: "LossSpec", graphdef, params, rest, batch, ref_params, denom):
@@ -399,10 +430,11 @@ class HostLoopStep:
     and gradients equal the one-program step's up to float32 summation order."""
 
     def __init__(self, spec: LossSpec, optimizer, lr_schedule=None, *, micro_batch_size: int,
-                 length_multiple: int, score_positions: bool, state: TrainState | None = None,
-                 mesh=None):
+                 length_multiple: int, score_positions: bool, share_prefix: bool = True,
+                 state: TrainState | None = None, mesh=None):
         self.spec, self.micro_batch_size = spec, micro_batch_size
         self.length_multiple, self.score_positions = length_multiple, score_positions
+        self.share_prefix = share_prefix
         self._accumulate = jax.jit(functools.partial(_accumulate_grads, spec), static_argnums=0, donate_argnums=1)
         if mesh is None or state is None:
             self._update = jax.jit(functools.partial(_apply_grads, optimizer, lr_schedule, None), donate_argnums=0)
@@ -413,12 +445,14 @@ class HostLoopStep:
                                    out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
         self._metric_zeros = None
         self._config = None   # the model's LlamaConfig (auto_micro_batch_size), read at the first call
-        self.last_micro_shapes: list[tuple[int, ...]] = []   # [mb, P, T] of the last call's micro-batches
+        self.last_micro_shapes: list[tuple[int, ...]] = []   # [mb, P, T] (packed: [mb, L]) of the last call's
+        self.last_run_tokens = 0   # the real tokens the last call's forwards ran (a shared prefix counted once)
 
     def micro_batches(self, batch: dict, mb: int) -> list[dict]:
         """The batch (host arrays, [B, P, T] per token) as micro-batches of mb examples of similar length, each
         cut to its own length; score_pos recomputed for that length (collate's rule: T/2 positions if they hold
-        every sequence's action tokens)."""
+        every sequence's action tokens). With share_prefix, a micro-batch of pairs also carries its packed rows
+        (batching.pack_shared_prefix, when they are shorter): the step then runs each pair's prefix once."""
         mask = batch["attention_mask"]
         B, P, T = mask.shape
         lengths_B = mask.sum(axis=-1).max(axis=-1)
@@ -427,19 +461,17 @@ class HostLoopStep:
         out = []
         for first in range(0, B, mb):
             idx = order[first:first + mb]
-            # The window of L positions holding every token of these rows: [0, L) when right-padded, [T - L, T)
-            # when left-padded (positions come from the mask, so the cut shifts nothing); mixed sides: all of T.
-            real_T = np.flatnonzero(mask[idx].any(axis=(0, 1)))
-            lo, hi = (int(real_T[0]), int(real_T[-1]) + 1) if len(real_T) else (0, 1)
-            L = min(T, -(-(hi - lo) // self.length_multiple) * self.length_multiple)
-            start = min(lo, T - L)
-            cut = slice(start, start + L)
+            cut = batching.real_window(mask[idx], self.length_multiple)
+            L = cut.stop - cut.start
             micro = {k: v[idx] for k, v in batch.items() if k != "score_pos" and k not in per_token}
             micro.update({k: batch[k][idx][..., cut] for k in per_token})
             if self.score_positions or "score_pos" in batch:
                 most = int((micro["turn_ids"] > 0).sum(axis=-1).max())
                 if most <= L // 2:
                     micro["score_pos"] = batching.score_positions(micro["turn_ids"], L // 2)
+            if self.share_prefix and P > 1:
+                micro.update(batching.pack_shared_prefix(micro["input_ids"], micro["attention_mask"],
+                                                         length_multiple=self.length_multiple) or {})
             out.append(micro)
         return out
 
@@ -459,7 +491,9 @@ class HostLoopStep:
         sums = (jax.tree.map(jnp.zeros_like, state.params), self._metric_zeros)
         for micro in micros:
             sums = self._accumulate(state.graphdef, sums, state.params, state.rest, micro, ref_params, denom)
-        self.last_micro_shapes = [micro["input_ids"].shape for micro in micros]
+        self.last_micro_shapes = [micro.get("packed_ids", micro["input_ids"]).shape for micro in micros]
+        self.last_run_tokens = sum(int(np.count_nonzero(micro["packed_segments"])) if "packed_ids" in micro
+                                   else int(micro["attention_mask"].sum()) for micro in micros)
         num_tokens = np.float32((batch["attention_mask"].sum(axis=(1, 2)) * _weight(batch)).sum())
         return self._update(state, sums[0], dict(sums[1], num_tokens=num_tokens))
 
@@ -496,7 +530,8 @@ def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *,
               micro_batch_size: int = train_default("train.micro_batch_size"),
               lr_schedule=None, ref_in_step: bool = False, host_loop: bool | None = None,
               length_multiple: int = train_default("data.bucket"),
-              score_positions: bool = train_default("loss.score_positions")):
+              score_positions: bool = train_default("loss.score_positions"),
+              share_prefix: bool = train_default("data.share_prefix")):
     """step(state, batch[, ref_params]) -> (state, metrics): one optimiser step on the LossSpec's loss.
 
     critic: Bradley-Terry over [B, 2, T] trajectory pairs (chosen first); dpo: step-level DPO on [B, 2, T]
@@ -509,13 +544,15 @@ def make_step(spec: LossSpec, state: TrainState, optimizer, mesh=None, *,
     num_tokens.
 
     host_loop (None: uses_host_loop(mesh), i.e. one CPU device): a HostLoopStep, whose micro-batches each run at
-    their own length (a multiple of length_multiple; score_positions as the trainer's loss.score_positions);
-    else one jitted program over the whole batch (what plan.py compiles for a TPU slice)."""
+    their own length (a multiple of length_multiple; score_positions as the trainer's loss.score_positions;
+    share_prefix as data.share_prefix: each pair's sequences as one row, their shared prefix once); else one jitted
+    program over the whole batch (what plan.py compiles for a TPU slice)."""
     if host_loop is None:
         host_loop = uses_host_loop(mesh)
     if host_loop:
         return HostLoopStep(spec, optimizer, lr_schedule, micro_batch_size=micro_batch_size,
-                            length_multiple=length_multiple, score_positions=score_positions, state=state, mesh=mesh)
+                            length_multiple=length_multiple, score_positions=score_positions,
+                            share_prefix=share_prefix, state=state, mesh=mesh)
     if mesh is None:
         return jax.jit(functools.partial(_train_step, spec, optimizer, lr_schedule, micro_batch_size, mesh, None),
                        donate_argnums=0)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from sweet_jax import cli, costs, host_malloc, sharding
 from sweet_jax.config_utils import (TRAIN_PATH_FIELDS, TrainConfigError, absolute_path, absolute_paths,
-                                    check_config)
+                                    check_config, setting)
 from sweet_jax.data.datasets import build_datasets
 from sweet_jax.data.tokenizers import check_vocab, load_tokenizer, pad_id
 from sweet_jax.errors import SweetJaxError
@@ -221,11 +221,13 @@ class Trainer:
         # its axes. Not earlier: under a mesh, NNX would read the parameters' logical names as mesh axes at init.
         mesh_scope.enter_context(jax.set_mesh(mesh))
         self.spec = steps.loss_spec(config.loss)
+        self.length_multiple = config.data.get("micro_bucket", 0) or config.data.bucket   # the host loop's lengths
         ref_in_step = config.train.ref_logp == "in_step"
         self.train_step = steps.make_step(self.spec, self.state, optimizer, mesh, lr_schedule=lr_schedule,
                                           micro_batch_size=config.train.micro_batch_size, ref_in_step=ref_in_step,
-                                          length_multiple=config.data.get("micro_bucket", 0) or config.data.bucket,
-                                          score_positions=config.loss.score_positions)
+                                          length_multiple=self.length_multiple,
+                                          score_positions=config.loss.score_positions,
+                                          share_prefix=setting(config, "data.share_prefix"))
         self.eval_step = steps.make_eval_step(self.spec, self.state, mesh, ref_in_step=ref_in_step)
 
     def attach_reference(self, train_set, eval_set):
@@ -242,10 +244,12 @@ class Trainer:
         # The training split's examples that this run's steps reach (train.stop_at, or fewer steps than an epoch)
         end = self.config.train.get("stop_at", 0) or self.total_steps
         trained = passes.trained_examples(self.make_batches(train_set), end) if jax.process_count() == 1 else None
+        # One CPU device: each reference batch cut to its own longest sequence, as the host loop's micro-batches
+        cut = self.length_multiple if steps.uses_host_loop(self.mesh) else None
         return tuple(
             dataset.with_extras(ref_logp=passes.reference_pass(ref_fn, self.state.params, dataset, self.make_batches,
                                                                self.batch_sh, self.config.data.padding_side,
-                                                               only=only))
+                                                               only=only, length_multiple=cut))
             if dataset.num_examples else dataset for dataset, only in ((train_set, trained), (eval_set, None)))
 
     # ------------------------------------------------------------------------------------------------------
@@ -392,7 +396,9 @@ class Trainer:
         tokens = m.pop("num_tokens")
         flops_factor = 4.0 / 3.0 if self.ref_params is not None else 1.0  # in_step: one more forward
         m["tokens_per_s"] = tokens / seconds
-        m["mfu"] = flops_factor * self.llama_config.flops_per_token(T) * tokens / seconds / self.peak_flops
+        # MFU counts the tokens the forwards ran: a pair's shared prefix once (steps.HostLoopStep)
+        run_tokens = getattr(self.train_step, "last_run_tokens", 0) or tokens
+        m["mfu"] = flops_factor * self.llama_config.flops_per_token(T) * run_tokens / seconds / self.peak_flops
         m["step_seconds"] = seconds
         m["seq_len"] = T
         m = passes.rename_metrics(m)
