@@ -225,10 +225,11 @@ def test_a_run_goes_on_from_its_carried_state_on_a_new_machine(workdir, tmp_path
 
 
 @pytest.mark.slow
-def test_every_stage_records_wall_and_cpu_time_and_load(workdir):
+def test_every_stage_records_wall_and_cpu_time_load_and_memory(workdir):
     for stage in ("init", "critic", "eval/sweet"):
         record = json.loads((workdir / stage / "done.json").read_text())
         assert record["seconds"] > 0 and record["cpu_seconds"] > 0 and len(record["load_average"]) == 2
+        assert len(record["rss_gb"]) == 2 and all(0.05 < gb < 64 for gb in record["rss_gb"])  # this process's
     diagnostics = json.loads((workdir / "results.json").read_text())["diagnostics"]
     assert diagnostics["cpu_minutes"] > 0 and diagnostics["minutes"] > 0
     # the critic's held-out accuracy comes with the pairs it counts

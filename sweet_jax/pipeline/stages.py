@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import ml_collections
 import numpy as np
+import psutil
 from flax import nnx
 from tqdm import tqdm
 
@@ -167,14 +168,15 @@ class Run:
         log.info("stage %-14s running in %s", name, d)
         costs.listen_to_compiles()
         costs.reset()
-        t0, cpu0, load0 = time.time(), _cpu_seconds(), os.getloadavg()[0]
+        t0, cpu0, load0, rss0 = time.time(), _cpu_seconds(), os.getloadavg()[0], _rss_gb()
         summary = fn(d)
         seconds = time.time() - t0
         # CPU seconds and load averages beside the wall time: on a shared machine the wall time alone says
         # little; cpu_seconds / cores is the idle machine's wall time, roughly. costs: where the seconds went.
+        # rss_gb: the pipeline process's resident memory before and after (what a long run keeps between stages).
         record = {"stage": name, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
-                  "load_average": [load0, os.getloadavg()[0]], "host": host_record(), "costs": costs.snapshot(),
-                  "summary": summary}
+                  "load_average": [load0, os.getloadavg()[0]], "rss_gb": [rss0, _rss_gb()], "host": host_record(),
+                  "costs": costs.snapshot(), "summary": summary}
         marker.write_text(json.dumps(record, indent=2) + "\n")
         log.info("stage %-14s done in %.0f s (%.0f CPU s, load %.1f -> %.1f): %s", name, seconds,
                  record["cpu_seconds"], *record["load_average"], _short(summary))
@@ -206,6 +208,10 @@ def host_record() -> dict:
         name = ""
     return {"processor": name or platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "bf16_flags": list(cpu_matmul.cpu_bf16_flags()), "jax_backend": jax.default_backend()}
+
+
+def _rss_gb() -> float:
+    return round(psutil.Process().memory_info().rss / 2**30, 2)
 
 
 def _cpu_seconds() -> float:
