@@ -12,7 +12,7 @@ Cached decoding (few queries over a long cache): `cached_attention`, over the he
 Fully masked (padding) query rows differ between implementations; real rows agree.
 
 The key mask of self-attention is either key-valid flags [B, T] bool (padding) or segment ids [B, T] int32:
-sequences packed into one row behind the prefix they share (steps.pack_shared_prefix). Segment 0 is padding,
+sequences packed into one row behind the prefix they share (batching.pack_shared_prefix). Segment 0 is padding,
 1 the shared prefix, s >= 2 one sequence's own tokens; a query sees the prefix's keys and its own segment's
 (causally), never another sequence's, so each sequence's values are those it has run alone.
 """
