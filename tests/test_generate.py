@@ -668,3 +668,24 @@ def test_sharded_prompt_cache_gives_the_unsharded_samples(hf_dir, sampler):
     got, want = sharded.generate(second, **kwargs), plain.generate(second, **kwargs)
     assert sharded.prompt_cache.hits == 4
     assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+
+
+def test_the_pipeline_keeps_its_sampler_between_stages_but_not_the_last_policy_s_prompt_cache(hf_dir, tmp_path):
+    """A run's in-process sampler is reused by every rollout stage (its compiled programs); the K/V its prompt cache
+    holds are the policy's that just played, which no later stage reads: they go when the stage ends."""
+    import importlib.util
+    import pathlib
+    from sweet_jax.pipeline import stages
+    path = pathlib.Path(__file__).parent.parent / "configs" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("pipeline_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("demo")
+    config.model.tokenizer, config.policy.prompt_cache_mb = str(hf_dir), 16
+    run = stages.Run(config, tmp_path)
+    with run.policy_sampler(str(hf_dir), tmp_path, seed=0) as sampler:
+        sampler.generate(random_prompts([40, 45]), max_new_tokens=2, temperature=0.0)   # prompts cached
+        assert sampler.prompt_cache.bytes > 0
+    assert run.sampler is sampler and sampler.prompt_cache.bytes == 0 and not sampler.prompt_cache.entries
+    with run.policy_sampler(str(hf_dir), tmp_path, seed=0) as again:
+        assert again is sampler   # the next stage swaps the parameters into the same sampler

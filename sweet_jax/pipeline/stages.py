@@ -122,7 +122,13 @@ class Run:
                 engine_log=d / "engine.log") as sampler:
             if c.policy.backend == "in_process":
                 self.sampler = sampler
-            yield sampler
+            try:
+                yield sampler
+            finally:
+                # The prompt cache holds this policy's K/V (up to policy.prompt_cache_mb), which no later stage
+                # reads: kept, it would sit through the training stages until the next policy replaced it.
+                if getattr(sampler, "prompt_cache", None) is not None:
+                    sampler.prompt_cache.clear()
 
     def play(self, hf_dir: str, tasks: Sequence[dict], out: pathlib.Path, settings, *, best_of: int,
              seed: int) -> dict:
