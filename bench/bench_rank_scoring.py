@@ -1,8 +1,10 @@
-"""The rank stage's scoring: every candidate's whole sequence in length-sorted batches (ReplyScorer(share_prefix=
-False)) vs each turn prompt's common prefix run once and each distinct candidate scored once on top of it
-(share_prefix=True, the default), same model, same candidates, one process.
+"""The rank stage's scoring, its layouts side by side (ranking.ReplyScorer's `layout`), same model, same candidates,
+one process: every candidate's whole sequence in length-sorted batches (whole); each turn prompt's common prefix
+run once into a KV cache and each distinct candidate a row on it (prefix_cache); the prefix once and every distinct
+candidate after it in one row, kept apart by the attention's segments (packed, the default).
 
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR            # a pipeline run's candidates
+    python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR --layouts prefix_cache,packed
     python bench/bench_rank_scoring.py --run RUN_DIR --recorded                # against its rank stage's scores
     python bench/bench_rank_scoring.py --model HF_DIR --memory                 # compiled scratch memory, both ways
     python bench/bench_rank_scoring.py --model HF_DIR --run RUN_DIR --shapes-before   # call shapes: before vs now
@@ -11,14 +13,15 @@ RUN_DIR is a `python -m sweet_jax.pipeline` workdir with offline/trajectories.js
 (the pipeline's own inputs to its rank stages); the first --prompts turn prompts of the candidates file are scored
 with c (the critic's view), --prompts-per-batch prompts a scorer call as ranking.rank_turns makes them, --rounds
 times each way, interleaved, after a first call that compiles every shape (its time printed apart). Prints seconds
-per turn for both, their ratio, the largest difference between the two ways' scores, how many of a turn's
-candidate pairs both ways put in the same order, and the tokens each way runs.
+per turn for each layout, its ratio to the first, the largest difference between its scores and the first's, how
+many of a turn's candidate pairs it puts in the first's order, and the positions each way runs (--layouts: which,
+the first the baseline; default whole,packed).
 
 --memory: the scratch memory XLA assigns to one scoring pass of --batch-size rows each way (the compiled program's
 memory_analysis), whole sequences of prefix + reply tokens against the prefix once and the rows on it, for
 prefixes of 512 and 1024 tokens and 64-token replies.
 
---recorded: every turn prompt of RUN_DIR/rank/scores.jsonl scored with the shared prefix by the run's critic
+--recorded: every turn prompt of RUN_DIR/rank/scores.jsonl scored in the default layout by the run's critic
 (critic/hf) and pi_ref (init/policy_hf) with the run's rank settings (pipeline_config.json, float32), against the
 scores the rank stage recorded: the largest differences, and how many candidate pairs keep the recorded order of
 their advantages (pairs of identical candidates are exact ties now; they are counted apart).
@@ -31,6 +34,8 @@ import statistics
 import time
 
 import numpy as np
+
+from sweet_jax.rl.ranking import SCORE_LAYOUTS
 
 
 def main() -> None:
@@ -45,8 +50,10 @@ def main() -> None:
     parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: LlamaConfig's)")
     parser.add_argument("--recorded", action="store_true", help="check the run's recorded rank scores instead")
     parser.add_argument("--memory", action="store_true", help="print the compiled scratch memory of both ways")
+    parser.add_argument("--layouts", default="whole,packed",
+                        help=f"comma-separated ReplyScorer layouts, the first the baseline (of {','.join(SCORE_LAYOUTS)})")
     parser.add_argument("--shapes-before", action="store_true",
-                        help="shared prefix at the call shapes before 2026-12-02 against now (not whole sequences)")
+                        help="prefix_cache at the call shapes before 2026-12-02 against now (instead of --layouts)")
     args = parser.parse_args()
     if args.recorded:
         return check_recorded(args.run)
@@ -70,11 +77,11 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     kw = dict(info_template="In light that the final answer is: {ground_truth}.", batch_size=args.batch_size,
               bucket=args.bucket, max_len=4096)
-    scorers = {"whole sequences": ranking.ReplyScorer(model, tokenizer, share_prefix=False, **kw),
-               "shared prefix": ranking.ReplyScorer(model, tokenizer, share_prefix=True, **kw)}
     if args.shapes_before:
-        scorers = {"shared prefix, shapes before": ranking.ReplyScorer(model, tokenizer, share_prefix=True, **kw),
-                   "shared prefix": scorers["shared prefix"]}
+        scorers = {"prefix_cache, shapes before": ranking.ReplyScorer(model, tokenizer, layout="prefix_cache", **kw),
+                   "prefix_cache": ranking.ReplyScorer(model, tokenizer, layout="prefix_cache", **kw)}
+    else:
+        scorers = {name: ranking.ReplyScorer(model, tokenizer, layout=name, **kw) for name in args.layouts.split(",")}
     batches = [[(p, t) for p, texts in turns[start:start + args.prompts_per_batch] for t in texts]
                for start in range(0, len(turns), args.prompts_per_batch)]
     shape_now = ranking.score_shape
@@ -110,17 +117,19 @@ def main() -> None:
     n = len(turns)
     median = {name: statistics.median(t) for name, t in times.items()}
     base = next(iter(scorers))
-    diff = float(np.nanmax(np.abs(scores[base] - scores["shared prefix"])))
-    same, ordered, twins = same_order(scores[base], scores["shared prefix"], [t for _, t in turns])
-    ordered += twins  # identical candidates scored apart by whole sequences: ties with the prefix shared
     print(f"{n} turn prompts, {len(seqs)} candidates ({len(distinct)} distinct), score batches of {args.batch_size} "
           f"rows, {args.prompts_per_batch} prompts a call; tokens run (unpadded): whole {whole_tokens}, "
           f"shared {shared_tokens} ({whole_tokens / shared_tokens:.1f}x fewer)")
     for name in scorers:
-        print(f"{name:<16} {median[name] / n:7.2f} s/turn, {positions[name]} positions run (first call, compiling: "
+        print(f"{name:<28} {median[name] / n:7.2f} s/turn, {positions[name]} positions run (first call, compiling: "
               f"{first[name]:.1f} s; rounds: {', '.join(f'{t:.1f}' for t in times[name])} s)")
-    print(f"shared prefix / {base}: {median[base] / median['shared prefix']:.2f}x faster; "
-          f"largest score difference {diff:.2e}; candidate pairs in the same order {same}/{ordered}")
+    for name in list(scorers)[1:]:
+        diff = float(np.nanmax(np.abs(scores[base] - scores[name])))
+        same, ordered, twins = same_order(scores[base], scores[name], [t for _, t in turns])
+        if base == "whole":
+            ordered += twins  # identical candidates scored apart by whole sequences: exact ties once
+        print(f"{name} / {base}: {median[base] / median[name]:.2f}x faster; largest score difference {diff:.2e}; "
+              f"candidate pairs in the same order {same}/{ordered}")
 
 
 def shapes_before(bucket: int):
@@ -195,7 +204,7 @@ def check_recorded(run: str) -> None:
         start = time.perf_counter()
         got[name] = ranking.ReplyScorer(load_hf(path, config_overrides={"cpu_matmul": "xla"}), tokenizer, **kw)(items)
         recorded = np.concatenate([r[name] for r in records])
-        print(f"{name}: {time.perf_counter() - start:.0f} s, largest |shared prefix - recorded| "
+        print(f"{name}: {time.perf_counter() - start:.0f} s, largest |scored now - recorded| "
               f"{np.nanmax(np.abs(got[name] - recorded)):.2e}")
     same, ordered, identical = same_order(np.concatenate([r["advantage"] for r in records]),
                                           got["critic_logp"] - got["reference_logp"], [r["texts"] for r in records])

@@ -1,8 +1,14 @@
-"""A training stage's reference pass, the old way (every example's sequences, the whole split) against now (each
-distinct sequence once, only the examples the stage's steps reach), on a pipeline run's own data and model as its
-trainer sets them up; one process, interleaved rounds (the first of each side compiles), values compared.
+"""A training stage's reference pass two or more ways on a pipeline run's own data and model as its trainer sets
+them up; one process, interleaved rounds (the first of each side compiles), values compared with the first side's.
+The sides (--sides, default old,new):
+  old     every example's sequences, the whole split, at their buckets;
+  new     each distinct sequence once, only the examples the stage's steps reach;
+  cut     as new, each batch cut to its longest sequence (the host loop's micro_bucket; the pipeline to 2026-12-02);
+  packed  as new, each distinct sequence once behind the prefix it shares with others (passes.packed_reference_pass:
+          a turn prompt's candidates share the prompt, a task's trajectories its statement and c).
 
     python bench/bench_reference_pass.py --run WORKDIR [--stages critic,mtdpo,sweet] [--rounds 2]
+    python bench/bench_reference_pass.py --run WORKDIR --sides cut,packed [--cpu-matmul xla]
 
 WORKDIR: a pipeline workdir (smollm2 presets) with its offline stage done (the critics, multi-turn DPO) and its
 rank stage (SWEET-RL's DPO); the stages' configs as bench/bench_padding.py builds them.
@@ -22,7 +28,7 @@ import numpy as np
 from bench_padding import stage_configs
 
 
-def compare(tconfig, num_steps: int, rounds: int) -> dict:
+def compare(tconfig, num_steps: int, rounds: int, sides: list[str]) -> dict:
     from sweet_jax import costs
     from sweet_jax.data.tokenizers import load_tokenizer
     from sweet_jax.train import model_loading, passes, steps, trainer
@@ -34,7 +40,11 @@ def compare(tconfig, num_steps: int, rounds: int) -> dict:
         ref_fn = steps.make_ref_logp_fn(tr.state.graphdef, steps.shardings_of(tr.state.params), tr.mesh,
                                         rest=tr.state.rest)
         reached = passes.trained_examples(tr.make_batches(train_set), num_steps)
-        sides = {"old": dict(deduplicate=False), "new": dict(only=reached)}
+        sides = {name: {"old": dict(deduplicate=False), "new": dict(only=reached),
+                        "cut": dict(only=reached, length_multiple=tr.length_multiple),
+                        "packed": dict(only=reached, packed=steps.make_packed_logp_fn(tr.state.graphdef,
+                                                                                      rest=tr.state.rest),
+                                       pad_id=tr.pad_id)}[name] for name in sides}
         out = {"examples": train_set.num_examples, "reached": len(reached)}
         values = {}
         for r in range(rounds):
@@ -47,8 +57,9 @@ def compare(tconfig, num_steps: int, rounds: int) -> dict:
                 out.setdefault(side, []).append({"seconds": time.perf_counter() - t0,
                                                  "tokens": c.get("ref_logp_tokens", 0),
                                                  "padded": c.get("ref_logp_padded_tokens", 0)})
-        diff = max(float(np.abs(a - b).max()) for i in reached for a, b in zip(values["old"][i], values["new"][i]))
-        out["max_abs_diff"] = diff
+        base, *others = list(sides)
+        out["max_abs_diff"] = {side: max(float(np.abs(a - b).max()) for i in reached
+                                         for a, b in zip(values[base][i], values[side][i])) for side in others}
         return out
 
 
@@ -57,25 +68,34 @@ def main() -> None:
     parser.add_argument("--run", required=True, help="a pipeline workdir with its offline (and rank) stage done")
     parser.add_argument("--stages", default="critic,critic_no_info,mtdpo,sweet")
     parser.add_argument("--rounds", type=int, default=2, help="passes per side (the first compiles)")
+    parser.add_argument("--sides", default="old,new", help="two or more of old, new, cut, packed; the first the base")
+    parser.add_argument("--cpu-matmul", default=None, help="model.cpu_matmul (default: the stage's)")
     args = parser.parse_args()
+    sides = args.sides.split(",")
     from sweet_jax.pipeline import stages
     workdir = pathlib.Path(args.run)
     run = stages.Run(ml_collections.ConfigDict(json.loads((workdir / "pipeline_config.json").read_text())), workdir)
-    lines = [f"Reference passes of {workdir}'s training stages, old (every example) / new (distinct sequences, "
-             "reached examples): seconds of each round, real / padded tokens:", "",
-             "| stage | examples, reached | old s | new s | ratio (last round) | old tokens | new tokens | "
-             "largest difference |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"Reference passes of {workdir}'s training stages, {' / '.join(sides)}: seconds of each round, real / "
+             "padded tokens:", "",
+             "| stage | examples, reached | " + " | ".join(f"{side} s" for side in sides) + " | "
+             + " | ".join(f"{sides[0]} / {side} (last round)" for side in sides[1:]) + " | "
+             + " | ".join(f"{side} tokens" for side in sides) + " | largest difference |",
+             "|---|---|" + "---|" * (3 * len(sides))]
     wanted = args.stages.split(",")
     for name, (tconfig, num_steps) in stage_configs(run).items():
         if name not in wanted:
             continue
-        got = compare(tconfig, num_steps, args.rounds)
-        old, new = got["old"], got["new"]
-        seconds = [", ".join(f"{x['seconds']:.1f}" for x in side) for side in (old, new)]
-        lines.append(f"| {name} | {got['examples']}, {got['reached']} | {seconds[0]} | {seconds[1]} | "
-                     f"**{old[-1]['seconds'] / new[-1]['seconds']:.2f}x** | {old[-1]['tokens'] / 1e3:.1f}k / "
-                     f"{old[-1]['padded'] / 1e3:.1f}k | {new[-1]['tokens'] / 1e3:.1f}k / {new[-1]['padded'] / 1e3:.1f}k | "
-                     f"{got['max_abs_diff']:.2g} |")
+        if args.cpu_matmul:
+            tconfig = ml_collections.ConfigDict(tconfig.to_dict())
+            tconfig.model.cpu_matmul = args.cpu_matmul
+        got = compare(tconfig, num_steps, args.rounds, sides)
+        base = got[sides[0]]
+        seconds = [", ".join(f"{x['seconds']:.1f}" for x in got[side]) for side in sides]
+        ratios = [f"**{base[-1]['seconds'] / got[side][-1]['seconds']:.2f}x**" for side in sides[1:]]
+        tokens = [f"{got[side][-1]['tokens'] / 1e3:.1f}k / {got[side][-1]['padded'] / 1e3:.1f}k" for side in sides]
+        diffs = ", ".join(f"{d:.2g}" for d in got["max_abs_diff"].values())
+        lines.append(f"| {name} | {got['examples']}, {got['reached']} | " + " | ".join(seconds + ratios + tokens)
+                     + f" | {diffs} |")
         print(lines[-1], flush=True)
     print("\n".join(lines))
 

@@ -84,6 +84,92 @@ def test_the_deduplicated_reference_pass_equals_the_pass_over_every_example_and_
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
+def prompt_pairs(seed: int = 0) -> Dataset:
+    """Step-level pairs: 5 turn prompts of 33-48 tokens, 4 pairs each drawn with replacement from 5 candidate
+    replies of 1-16 tokens; two prompts share their first 32 tokens (one dialogue's turns), and one sequence
+    is a prefix of another (a reply that another continues)."""
+    rng = np.random.default_rng(seed)
+    opening = rng.integers(3, CFG.vocab_size, 32).astype(np.int32)
+    examples = []
+    for t in range(5):
+        prompt = np.concatenate([opening if t < 2 else rng.integers(3, CFG.vocab_size, 32).astype(np.int32),
+                                 rng.integers(3, CFG.vocab_size, int(rng.integers(1, 17))).astype(np.int32)])
+        replies = [rng.integers(3, CFG.vocab_size, int(n)).astype(np.int32) for n in rng.integers(1, 9, 5)]
+        replies[1] = np.concatenate([replies[0], replies[1]])
+        candidates = []
+        for reply in replies:
+            turns = np.concatenate([np.zeros(len(prompt), np.int32), np.ones(len(reply), np.int32)])
+            candidates.append(Rendered(np.concatenate([prompt, reply]), turns))
+        for _ in range(4):
+            a, b = rng.integers(0, 5, 2)
+            examples.append((candidates[a], candidates[b]))
+    dataset = Dataset(examples=examples, ids=list(range(len(examples))), num_global=len(examples), tasks=5,
+                      num_sequences=2)
+    dataset.gather_lengths()
+    return dataset
+
+
+def test_the_packed_reference_pass_equals_the_pass_over_every_example_and_runs_each_prefix_once():
+    """Each distinct sequence once, behind the prefix it shares with others (a row a call): the values of every
+    example's sequences run apart (float32), in fewer tokens; with `only`, the examples asked for get exactly the
+    values of the whole pass (a run stopped at a step computes what the whole run computed) and the others None."""
+    from sweet_jax import costs
+
+    dataset = prompt_pairs()
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sharding = steps.batch_sharding(jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                                      ("data", "fsdp", "tensor")))
+    every = passes.reference_pass(steps.make_ref_logp_fn(graphdef, rest=rest, chunk_size=8), params, dataset,
+                                  make_batches, sharding, "right", deduplicate=False)
+    packed_fn = steps.make_packed_logp_fn(graphdef, rest=rest, chunk_size=8)
+    costs.reset()
+    packed = passes.reference_pass(None, params, dataset, make_batches, sharding, "right", packed=packed_fn)
+    run = costs.snapshot()
+    assert len(packed) == len(dataset)
+    for a, b, example in zip(packed, every, dataset.examples):
+        for x, y, seq in zip(a, b, example):
+            assert x.shape == y.shape == (len(seq),) and x.dtype == np.float32
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    distinct = {seq.input_ids.tobytes(): len(seq) for ex in dataset.examples for seq in ex}
+    prompts = {key[:32 * 4] for key in distinct}   # int32: a sequence's first 32 tokens
+    assert len(prompts) == 4   # two of the five prompts share their first 32 tokens
+    assert run["ref_logp_tokens"] <= sum(distinct.values()) - (len(distinct) - len(prompts)) * 32
+
+    only = {0, 3, 4, 9, 17}
+    part = passes.reference_pass(None, params, dataset, make_batches, sharding, "right", packed=packed_fn, only=only)
+    for i, (a, b) in enumerate(zip(part, packed)):
+        if i not in only:
+            assert a is None
+            continue
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_prefix_groups_put_sequences_that_share_a_prefix_in_one_row_within_its_limits():
+    from sweet_jax.data import batching
+
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(3, 60, 40), rng.integers(3, 60, 40)
+    seqs = [np.concatenate([a, [3 + i], rng.integers(3, 60, 4)]) for i in range(5)] + \
+        [b, np.concatenate([b, [7, 8]])] + \
+        [np.concatenate([a[:10], rng.integers(3, 60, 30)])]
+    groups = batching.prefix_groups(seqs, max_tokens=1000, max_sequences=16, min_shared=32)
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 3, 4], [5, 6], [7]]   # 10 shared tokens are too few
+    groups = batching.prefix_groups(seqs, max_tokens=1000, max_sequences=3, min_shared=32)
+    assert sorted(map(len, groups)) == [1, 2, 2, 3]
+    groups = batching.prefix_groups(seqs, max_tokens=40 + 3 * 5, max_sequences=16, min_shared=32)
+    assert all(batching.packed_length([seqs[j] for j in g]) <= 55 or len(g) == 1 for g in groups)
+    assert sorted(j for g in groups for j in g) == list(range(len(seqs)))
+    row = [seqs[j] for j in [0, 1, 2]]
+    n = batching.packed_length(row)
+    assert batching.shared_length(row) == 40 and n == 40 + 3 * 5
+    arrays, where = batching.pack_rows([row], width=lambda n: n + 3, pad=0, rows=2)
+    assert arrays["ids"].shape == (2, n + 3) and list(map(len, where[0])) == [44, 44, 44]
+    assert len(set(np.concatenate(where[0]).tolist())) == n - 1   # every token read once, the prefix's shared
+    assert not arrays["segments"][1, 1:].any() and not arrays["before"][1].any()   # a filler row
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_a_reference_pass_cut_to_each_batch_s_longest_sequence_has_the_bucketed_values(side):
     """length_multiple: each batch runs at its longest sequence rounded up to 4 (the buckets double: 16, 32, 64),

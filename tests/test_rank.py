@@ -165,9 +165,10 @@ def test_reply_scorer_is_the_mean_teacher_forced_logprob_of_the_reply_tokens(tin
         assert score == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["packed", "prefix_cache"])
 @pytest.mark.parametrize("scan_layers", [False, True])  # a critic training run restores the scanned layout
 def test_shared_prefix_scoring_gives_the_whole_sequence_scores_once_per_distinct_sequence(
-        tiny_model_and_tokenizer, scan_layers):
+        tiny_model_and_tokenizer, scan_layers, layout):
     from flax import nnx
 
     from sweet_jax.models import Llama, LlamaConfig
@@ -180,16 +181,46 @@ def test_shared_prefix_scoring_gives_the_whole_sequence_scores_once_per_distinct
                "ok"]
     items = [(prompt, text) for text in replies for prompt in prompts]  # interleaved turn prompts
     kw = dict(info_template="Reference: {ground_truth}", batch_size=4, bucket=128)
-    shared = ranking.ReplyScorer(model, tok, **kw)
+    shared = ranking.ReplyScorer(model, tok, layout=layout, **kw)
     rows = []
     score_rows = shared.mean_logp
-    shared.mean_logp = lambda *arrays: rows.append(int((arrays[3].sum(axis=1) > 0).sum())) or score_rows(*arrays)
+    if layout == "packed":  # sequences in a row: its segment ids past the prefix's (1); one alone is all prefix
+        count = lambda arrays: len(set(arrays["segments"][0].tolist()) - {0, 1}) or 1  # noqa: E731
+    else:  # rows with tokens
+        count = lambda *arrays: int((arrays[3].sum(axis=1) > 0).sum())  # noqa: E731
+    shared.mean_logp = lambda *arrays: rows.append(count(*arrays)) or score_rows(*arrays)
     got = shared(items)
-    want = ranking.ReplyScorer(model, tok, share_prefix=False, **kw)(items)
+    want = ranking.ReplyScorer(model, tok, layout="whole", **kw)(items)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     assert np.all(np.isfinite(got)) and len(set(np.round(want, 4))) > len(prompts)
     assert sum(rows) == len(prompts) * len(set(replies))  # "Which number?" three times, scored once a prompt
-    assert len(rows) == len(prompts) * 2  # 6 distinct candidates a prompt, at most 4 rows a call
+    assert len(rows) == len(prompts) * 2  # 6 distinct candidates a prompt, at most 4 a call
+
+
+def test_packed_scoring_runs_each_prompt_once_and_pads_the_row_little(tiny_model_and_tokenizer):
+    """One call a turn prompt (up to batch_size candidates): the row holds the prompt once and every candidate's
+    tokens after it, under 25% padding past 32 tokens, instead of batch_size rows padded to the longest."""
+    from flax import nnx
+
+    from sweet_jax.models import Llama, LlamaConfig
+
+    _, tok = tiny_model_and_tokenizer
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=len(tok)), rngs=nnx.Rngs(2))
+    prompt = ranking.turn_prompts([trajectory(["What is your number?", "I WANT TO ANSWER: def f(x): 1"])])[-1]
+    replies = ["Which?", "I WANT TO ANSWER:\ndef f(x):\n    return x + 3  # " + "a long comment " * 20] + \
+        [f"Is it {i}?" for i in range(6)]
+    seqs = [ranking.critic_sequence(tok, prompt, r, info_template="Ref: {ground_truth}", info_placement="system")
+            for r in replies]
+    shared = len(seqs[0].input_ids[:ranking.reply_start(seqs[0].turn_ids)])
+    real = shared + sum(len(s.input_ids) - shared for s in seqs)
+    calls = []
+    scorer = ranking.ReplyScorer(model, tok, info_template="Ref: {ground_truth}", batch_size=16)
+    score_row = scorer.mean_logp
+    scorer.mean_logp = lambda arrays: calls.append(arrays["ids"].shape) or score_row(arrays)
+    scorer([(prompt, r) for r in replies])
+    assert len(calls) == 1 and calls[0][0] == 1 and real <= calls[0][1] < 1.25 * real
+    longest = max(len(s.input_ids) for s in seqs) - shared
+    assert calls[0][1] < 0.5 * (shared + len(replies) * longest)  # the prefix cache's rows, padded to the longest
 
 
 def test_score_shapes_pad_little_in_few_row_counts():

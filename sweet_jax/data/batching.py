@@ -195,6 +195,99 @@ def pack_shared_prefix(input_ids_BPT: np.ndarray, attention_mask_BPT: np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Sequences behind the prefixes they share, for label log-probs (rank scoring, the reference pass)
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differs[0]) if len(differs) else n
+
+
+def prefix_groups(seqs: Sequence[np.ndarray], *, max_tokens: int, max_sequences: int,
+                  min_shared: int = 32) -> list[list[int]]:
+    """Indices of `seqs` in groups that run as one packed row each (pack_rows). The sequences are sorted by their
+    tokens, so that those sharing a prefix are neighbours, and a group grows while its members share at least
+    `min_shared` leading tokens, number at most `max_sequences` and their row (the prefix once, each member's
+    rest) stays within `max_tokens` (or one sequence's length). A sequence that shares less with its neighbours
+    is a row of its own."""
+    groups: list[list[int]] = []
+    total = shared = 0
+    for i in sorted(range(len(seqs)), key=lambda i: np.asarray(seqs[i]).tolist()):
+        n = len(seqs[i])
+        if groups:
+            group = groups[-1]
+            k = min(shared, common_prefix(seqs[group[0]], seqs[i]))  # sorted: the group's first and last decide
+            if k >= min_shared and len(group) < max_sequences and total + n - len(group) * k <= max_tokens:
+                group.append(i)
+                total, shared = total + n, k
+                continue
+        groups.append([i])
+        total, shared = n, n
+    return groups
+
+
+def shared_length(seqs: Sequence[np.ndarray]) -> int:
+    """How many leading tokens all of `seqs` share."""
+    return min([len(s) for s in seqs] + [common_prefix(seqs[0], s) for s in seqs[1:]])
+
+
+def packed_length(seqs: Sequence[np.ndarray]) -> int:
+    """The tokens of pack_rows' row of `seqs`: their common prefix once, then each one's rest."""
+    return sum(len(s) for s in seqs) - (len(seqs) - 1) * shared_length(seqs)
+
+
+def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
+              scored: Sequence[Sequence[np.ndarray]] | None = None, rows: int | None = None):
+    """Each group's sequences as one row: the prefix they all share once (segment 1), then each sequence's own
+    tokens (segment p + 2), every token at its position in its own sequence (attention.py's segments keep a
+    sequence to the prefix and itself). The label log-probs to compute: token t of a sequence is read from the
+    hidden state of its token t - 1, wherever the row holds it; a (hidden state, label) the sequences share (the
+    prefix's) is computed once.
+
+    width(n): the padded length L of the longest row's n tokens. scored: per group, per sequence, the token
+    positions wanted (default: every token but the first). rows: B, at least len(groups): the rest are filler
+    rows (one pad token each, nothing read), so that calls of fewer groups keep one shape.
+    Returns (arrays, where): arrays ids, segments, positions int32 [B, L] (padding: `pad`, segment 0) and before,
+    labels int32 [B, X = L] (padding 0: a row of n tokens has at most n - 1 distinct reads, and one width keeps the
+    compiled shapes few); where[b][p] the index into X of each wanted token's log-prob, in the order of
+    scored[b][p]."""
+    B, rows, reads, where = rows, [], [], []
+    for b, seqs in enumerate(groups):
+        seqs = [np.asarray(s, np.int32) for s in seqs]
+        k = shared_length(seqs)
+        ids, segments, positions = [seqs[0][:k]], [np.ones(k, np.int32)], [np.arange(k, dtype=np.int32)]
+        read: dict[tuple[int, int], int] = {}
+        at_b = []
+        start = k
+        for p, s in enumerate(seqs):
+            own = len(s) - k
+            ids.append(s[k:])
+            segments.append(np.full(own, p + 2, np.int32))
+            positions.append(np.arange(k, len(s), dtype=np.int32))
+            row_index = np.concatenate([np.arange(k), start + np.arange(own)])  # token t of s sits at row_index[t]
+            want = np.arange(1, len(s)) if scored is None else np.asarray(scored[b][p], np.int64)
+            at_b.append(np.array([read.setdefault((int(row_index[t - 1]), int(s[t])), len(read)) for t in want],
+                                 np.int64))
+            start += own
+        rows.append((np.concatenate(ids), np.concatenate(segments), np.concatenate(positions)))
+        reads.append(read)
+        where.append(at_b)
+    rows += [(np.full(1, pad, np.int32), np.ones(1, np.int32), np.zeros(1, np.int32))] * ((B or 0) - len(rows))
+    reads += [{}] * (len(rows) - len(reads))
+    L = width(max(len(r[0]) for r in rows))  # a row of n tokens holds n - 1 distinct reads, at most
+    arrays = {"ids": np.full((len(rows), L), pad, np.int32), "segments": np.zeros((len(rows), L), np.int32),
+              "positions": np.zeros((len(rows), L), np.int32), "before": np.zeros((len(rows), L), np.int32),
+              "labels": np.zeros((len(rows), L), np.int32)}
+    for b, ((ids, segments, positions), read) in enumerate(zip(rows, reads)):
+        arrays["ids"][b, :len(ids)], arrays["segments"][b, :len(ids)] = ids, segments
+        arrays["positions"][b, :len(ids)] = positions
+        for (before, label), x in read.items():
+            arrays["before"][b, x], arrays["labels"][b, x] = before, label
+    return arrays, where
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Which host holds which examples
 
 def chunk_bounds(num_examples: int, num_chunks: int) -> np.ndarray:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from sweet_jax import costs, jsonl
 from sweet_jax.config_utils import RANK_PATH_FIELDS, RANK_RANGES, absolute_paths, check_ranges
-from sweet_jax.data import demo, loading, render, tokenizers
+from sweet_jax.data import batching, demo, loading, render, tokenizers
 from sweet_jax.data.pairs import policy_pairs
 from sweet_jax.data.render import RenderError
 from sweet_jax.data.schema import PolicyPair, Turn
@@ -269,11 +269,8 @@ def make_prefix_mean_logp_fn(model, temperature: float = 1.0):
         hidden_BTD, _ = m.hidden_states(ids_BT, slots_BL, cache=cache, cache_pos=S)
         before_BTD = jnp.concatenate([jnp.broadcast_to(hidden_1SD[:, -1:], (B, 1, hidden_BTD.shape[-1])),
                                       hidden_BTD[:, :-1]], axis=1)  # the state that predicts each row token
-        unembed = m.unembedding()
-        if temperature != 1.0:
-            unembed = unembed / jnp.asarray(temperature, unembed.dtype)
         with cpu_matmul.unembedding(matmul):
-            logp_BT = losses.label_logprobs(before_BTD, unembed, ids_BT)
+            logp_BT = losses.label_logprobs(before_BTD, steps._unembedding(m, temperature)[0], ids_BT)
         return losses.turn_advantages(logp_BT, jnp.zeros_like(logp_BT), turns_BT, num_turns=1, norm="turn_mean")[:, 0]
 
     def prefix_mean_logp(*arrays):
@@ -283,23 +280,47 @@ def make_prefix_mean_logp_fn(model, temperature: float = 1.0):
     return prefix_mean_logp
 
 
+def make_packed_mean_logp_fn(model, temperature: float = 1.0):
+    """The label log-probs of sequences packed behind the prefixes they share (steps.make_packed_logp_fn over
+    batching.pack_rows' arrays) -> [B, X] numpy, with this model's parameters; score_packed takes the means."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    logp = steps.make_packed_logp_fn(graphdef, rest=rest, temperature=temperature)
+
+    def packed_logp(arrays):
+        return np.asarray(logp(params, arrays))
+
+    packed_logp.lower = lambda arrays: logp.lower(params, arrays)  # for compiled-program measurements
+    return packed_logp
+
+
+SCORE_LAYOUTS = ("packed", "prefix_cache", "whole")
+
+
 class ReplyScorer:
     """items [(TurnPrompt, reply text)] -> [N] mean log-prob of each reply under `model`, seeing c.
 
-    share_prefix (default): each distinct sequence is scored once, and the candidates of one turn prompt (same
-    tokens up to the reply) run their common prefix once (score_shared_prefixes); False: every item's whole
-    sequence in length-sorted batches (score_sequences). Same scores up to float rounding."""
+    layout: how a scoring pass lays out the candidates of one turn prompt (same tokens up to the reply); the same
+    scores up to float rounding each way, each distinct sequence scored once in the first two:
+      packed (default)  one row a call: the prompt once, then each candidate's tokens, kept apart by the
+                        attention's segments (score_packed): no row padded to the longest candidate;
+      prefix_cache      the prompt run once into a KV cache, the candidates as rows on it (score_shared_prefixes);
+      whole             every item's whole sequence in length-sorted batches (score_sequences)."""
 
     def __init__(self, model, tokenizer, *, info_template: str, info_placement: str = "system",
                  use_info: bool = True, batch_size: int = 16, bucket: int = 128, max_len: int = 8192,
                  style: str = "reply", temperature: float = 1.0, system_prompt: str | None = None,
-                 share_prefix: bool = True):
+                 layout: str = "packed"):
+        if layout not in SCORE_LAYOUTS:
+            raise RankError(f"score layout {layout!r}: use one of {SCORE_LAYOUTS}")
         self.tokenizer, self.info_template, self.info_placement = tokenizer, info_template, info_placement
         self.use_info, self.batch_size, self.bucket, self.max_len = use_info, batch_size, bucket, max_len
         self.pad = pad_id(tokenizer)
         self.style, self.system_prompt = style, system_prompt
-        self.share_prefix = share_prefix
-        self.mean_logp = (make_prefix_mean_logp_fn if share_prefix else make_mean_logp_fn)(model, temperature)
+        self.layout = layout
+        make, self.score = {"packed": (make_packed_mean_logp_fn, score_packed),
+                            "prefix_cache": (make_prefix_mean_logp_fn, score_shared_prefixes),
+                            "whole": (make_mean_logp_fn, score_sequences)}[layout]
+        self.mean_logp = make(model, temperature)
         self.unscorable: list[tuple[tuple[int, int], str]] = []
 
     def __call__(self, items: Sequence[tuple[TurnPrompt, str]]) -> np.ndarray:
@@ -318,9 +339,8 @@ class ReplyScorer:
                 self.unscorable.append((prompt.key, str(e)))
                 seq = None
             seqs.append(seq)
-        score = score_shared_prefixes if self.share_prefix else score_sequences
-        return score(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
-                     batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
+        return self.score(self.mean_logp, [None if s is None else (s.input_ids, s.turn_ids) for s in seqs],
+                          batch_size=self.batch_size, bucket=self.bucket, pad=self.pad)
 
 
 def score_sequences(mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *, batch_size: int,
@@ -370,6 +390,28 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
     multiple of a quarter of it), the prefix left-padded and the rows right-padded (score_shape). `bucket`:
     score_sequences' (unused here)."""
     scores = np.full(len(seqs), np.nan, np.float32)
+    for prefix, rows in turn_prompt_groups(seqs, batch_size):
+        S, B, T = score_shape(len(prefix), [len(row_ids) for row_ids, _, _ in rows], batch_size)
+        prefix_ids = np.full((1, S), pad, np.int32)
+        prefix_mask = np.zeros((1, S), np.int32)
+        prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
+        ids = np.full((B, T), pad, np.int32)
+        mask = np.zeros((B, T), np.int32)
+        turns = np.zeros((B, T), np.int32)
+        for r, (row_ids, row_turns, _) in enumerate(rows):
+            ids[r, :len(row_ids)], mask[r, :len(row_ids)], turns[r, :len(row_ids)] = row_ids, 1, row_turns
+        with costs.timed("score_pass"):
+            got = prefix_mean_logp(prefix_ids, prefix_mask, ids, mask, turns)
+        costs.tokens("score", len(prefix) + sum(len(row_ids) for row_ids, _, _ in rows), S + ids.size)
+        for r, (*_, where) in enumerate(rows):
+            scores[where] = got[r]
+    return scores
+
+
+def turn_prompt_groups(seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], rows: int):
+    """The distinct sequences of `seqs` (None left out) grouped by their tokens before the first turn-id-1 token
+    (reply_start: one turn prompt's candidates), each group shortest first in chunks of up to `rows`:
+    yields (prefix ids, [(row ids, row turn ids, indices of `seqs` holding this sequence)])."""
     distinct: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, list[int]]] = {}
     for i, seq in enumerate(seqs):
         if seq is not None:
@@ -378,26 +420,29 @@ def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], 
     by_prefix: dict[bytes, list] = {}
     for ids, turns, where in distinct.values():
         split = reply_start(turns)
-        by_prefix.setdefault(ids[:split].tobytes(), []).append((ids[:split], ids[split:], turns[split:], where))
-    for group in by_prefix.values():
-        prefix = group[0][0]
-        group.sort(key=lambda row: len(row[1]))
-        for start in range(0, len(group), batch_size):
-            rows = group[start:start + batch_size]
-            S, B, T = score_shape(len(prefix), [len(row[1]) for row in rows], batch_size)
-            prefix_ids = np.full((1, S), pad, np.int32)
-            prefix_mask = np.zeros((1, S), np.int32)
-            prefix_ids[0, S - len(prefix):], prefix_mask[0, S - len(prefix):] = prefix, 1
-            ids = np.full((B, T), pad, np.int32)
-            mask = np.zeros((B, T), np.int32)
-            turns = np.zeros((B, T), np.int32)
-            for r, (_, row_ids, row_turns, _) in enumerate(rows):
-                ids[r, :len(row_ids)], mask[r, :len(row_ids)], turns[r, :len(row_ids)] = row_ids, 1, row_turns
-            with costs.timed("score_pass"):
-                got = prefix_mean_logp(prefix_ids, prefix_mask, ids, mask, turns)
-            costs.tokens("score", len(prefix) + sum(len(row[1]) for row in rows), S + ids.size)
-            for r, (*_, where) in enumerate(rows):
-                scores[where] = got[r]
+        by_prefix.setdefault(ids[:split].tobytes(), (ids[:split], []))[1].append((ids[split:], turns[split:], where))
+    for prefix, group in by_prefix.values():
+        group.sort(key=lambda row: len(row[0]))
+        for start in range(0, len(group), rows):
+            yield prefix, group[start:start + rows]
+
+
+def score_packed(packed_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *,
+                 batch_size: int, bucket: int, pad: int) -> np.ndarray:
+    """score_sequences' result from one row a call (make_packed_mean_logp_fn, batching.pack_rows): each distinct
+    sequence once, the candidates of one turn prompt (turn_prompt_groups, up to `batch_size` a row) behind their
+    prefix, each at its own positions; the row and its scored tokens padded to the sampler's prompt widths
+    (generate.bucket_prompt: under 25% padding past 32 tokens). `bucket`: score_sequences' (unused here)."""
+    scores = np.full(len(seqs), np.nan, np.float32)
+    for prefix, rows in turn_prompt_groups(seqs, batch_size):
+        group = [np.concatenate([prefix, row_ids]) for row_ids, _, _ in rows]
+        labelled = [len(prefix) + np.flatnonzero(row_turns == 1) for _, row_turns, _ in rows]
+        arrays, where = batching.pack_rows([group], width=bucket_prompt, pad=pad, scored=[labelled])
+        with costs.timed("score_pass"):
+            logp_X = packed_logp(arrays)[0]
+        costs.tokens("score", int(np.count_nonzero(arrays["segments"])), arrays["ids"].size)
+        for (*_, at), x in zip(rows, where[0]):
+            scores[at] = logp_X[x].mean() if len(x) else 0.0  # turn_mean's value for a reply with no tokens
     return scores
 
 

@@ -96,14 +96,18 @@ def trained_examples(batches, num_steps: int) -> set[int]:
 
 def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding, padding_side: str, *,
                    deduplicate: bool = True, only: Collection[int] | None = None,
-                   length_multiple: int | None = None) -> list:
+                   length_multiple: int | None = None, packed=None, pad_id: int = 0) -> list:
     """Label log-probs of the frozen reference model for every example of this host, one tuple of [L] arrays
     (one per sequence) per example; Dataset.with_extras(ref_logp=...) attaches them before the batches exist.
     deduplicate (one process): each distinct sequence is run once (distinct_sequences); the same values up to
     float rounding (a sequence's batch neighbours and padded length differ). only (one process): the examples
     that need them (a run that stops before an epoch ends trains on a part of its split); None for the others.
     length_multiple (one process): each batch cut to its own longest sequence rounded up to it
-    (batching.real_window), not run at its bucket (buckets double: a 300-token batch would run 512)."""
+    (batching.real_window), not run at its bucket (buckets double: a 300-token batch would run 512).
+    packed (one process): steps.make_packed_logp_fn's function of the same model; then each distinct sequence
+    runs once, behind the prefix it shares with others (packed_reference_pass) instead of ref_logp_fn's batches."""
+    if packed is not None and jax.process_count() == 1:
+        return packed_reference_pass(packed, params, dataset, only=only, pad_id=pad_id)
     if (deduplicate or only is not None) and jax.process_count() == 1 and len(dataset):
         distinct, where = distinct_sequences(dataset, only)
         refs = reference_pass(ref_logp_fn, params, distinct, make_batches, sharding, padding_side,
@@ -125,6 +129,50 @@ def reference_pass(ref_logp_fn, params, dataset: Dataset, make_batches, sharding
             if i >= 0:
                 refs[i] = tuple(logp_BPT[lo + row, p, :len(seq)] if padding_side == "right"
                                 else logp_BPT[lo + row, p, T - len(seq):] for p, seq in enumerate(dataset.examples[i]))
+    return refs
+
+
+def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Collection[int] | None = None,
+                          pad_id: int = 0, max_sequences: int = 16, min_shared: int = 32,
+                          max_tokens: int = 2048) -> list:
+    """reference_pass's result (its `only` too) with every distinct sequence run once, in rows of sequences that
+    share a prefix (batching.prefix_groups: at least min_shared tokens, up to max_sequences and max_tokens a row,
+    or one sequence): a turn prompt's candidates share the whole prompt, a task's trajectories their statement and
+    c. Each row is a call of its own at generate.bucket_prompt's width of it (under 25% padding past 32 tokens),
+    longest first. The rows are drawn over all of the dataset's sequences and a row runs whole when any of its
+    sequences is wanted, so that a sequence's value does not depend on `only` (a run stopped at a step computes
+    what the whole run computed). The same values as ref_logp_fn's up to float rounding (each sequence sees only
+    the prefix and itself: the attention's segments)."""
+    from sweet_jax.sampling.generate import bucket_prompt
+
+    index: dict[bytes, int] = {}
+    seqs: list[np.ndarray] = []
+    for example in dataset.examples:
+        for seq in example:
+            ids = np.asarray(seq.input_ids, np.int32)
+            if index.setdefault(ids.tobytes(), len(seqs)) == len(seqs):
+                seqs.append(ids)
+    wanted = [i for i in range(len(dataset)) if only is None or i in only]
+    needed = {index[np.asarray(seq.input_ids, np.int32).tobytes()] for i in wanted for seq in dataset.examples[i]}
+    longest = max((len(s) for s in seqs), default=1)
+    groups = [g for g in batching.prefix_groups(seqs, max_tokens=max(longest, max_tokens),
+                                                max_sequences=max_sequences, min_shared=min_shared)
+              if needed.intersection(g)]
+    groups.sort(key=lambda g: batching.packed_length([seqs[j] for j in g]), reverse=True)
+    logp: list[np.ndarray | None] = [None] * len(seqs)
+    with tqdm(total=sum(map(len, groups)), desc="reference log-probs", unit="seq",
+              disable=jax.process_index() != 0) as bar:
+        for group in groups:
+            arrays, where = batching.pack_rows([[seqs[j] for j in group]], width=bucket_prompt, pad=pad_id)
+            with costs.timed("ref_logp_pass"):
+                logp_BX = to_host(packed_logp_fn(params, arrays))
+            costs.tokens("ref_logp", int(np.count_nonzero(arrays["segments"])), arrays["ids"].size)
+            for j, x in zip(group, where[0]):
+                logp[j] = np.concatenate([[0.0], logp_BX[0, x]]).astype(np.float32)  # token 0: nothing before it
+            bar.update(len(group))
+    refs: list = [None] * len(dataset)
+    for i in wanted:
+        refs[i] = tuple(logp[index[np.asarray(seq.input_ids, np.int32).tobytes()]] for seq in dataset.examples[i])
     return refs
 
 

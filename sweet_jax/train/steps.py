@@ -603,6 +603,38 @@ def make_ref_logp_fn(graphdef, params_shardings=None, mesh=None, *, rest=None, c
     return lambda params, batch: jitted(rest, params, batch)
 
 
+def make_packed_logp_fn(graphdef, *, rest=None, temperature: float = 1.0, chunk_size: int | None = None):
+    """logp(params, arrays) -> [B, X] float32 label log-probs of sequences packed behind the prefixes they share
+    (batching.pack_rows' arrays: ids, segments, positions [B, L]; before, labels [B, X]): label x is read from
+    the hidden state at row index before[x], the unembedding run on those X positions only. One device; the
+    values are those of each sequence run alone (the attention's segments), up to float rounding."""
+    rest = nnx.State({}) if rest is None else rest
+    fn = _packed_logp_program(graphdef, temperature, chunk_size)
+
+    def logp(params, arrays):
+        return fn(rest, params, arrays)
+
+    logp.lower = lambda params, arrays: fn.lower(rest, params, arrays)  # for compiled-program measurements
+    return logp
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_logp_program(graphdef, temperature: float, chunk_size: int | None):
+    """make_packed_logp_fn's jitted program, one per (architecture, temperature, chunk size): models of one graph
+    (a critic and pi_ref, the reference passes of a pipeline's stages) share its compiled shapes."""
+
+    @jax.jit
+    def fn(rest, params, arrays):
+        model = nnx.merge(graphdef, params, rest)
+        hidden_BLD = model.hidden_states(arrays["ids"], positions=arrays["positions"], segments=arrays["segments"])
+        hidden_BXD = jnp.take_along_axis(hidden_BLD, arrays["before"][..., None], axis=1)
+        with cpu_matmul.unembedding(model.config.matmul):
+            unembed, _ = _unembedding(model, temperature)
+            return losses.label_logprobs(hidden_BXD, unembed, arrays["labels"], chunk_size=chunk_size)
+
+    return fn
+
+
 def make_score_step(graphdef, params_shardings=None, mesh=None, *, num_turns: int = 1,
                     advantage_norm: str = train_default("loss.advantage_norm"), rest=None,
                     chunk_size: int | None = None, ref_in_step: bool = False, temperature: float = 1.0):

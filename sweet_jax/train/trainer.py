@@ -192,8 +192,9 @@ class Trainer:
         log.info("data: %d train examples (%d tasks), %d eval examples (%d held-out tasks); this host renders "
                  "slice %d of %d", train_set.num_examples, train_set.tasks, eval_set.num_examples, eval_set.tasks,
                  data_index, data_count)
+        self.pad_id = pad_id(tokenizer)
         self.make_batches = lambda dataset, **kwargs: dataset.batches(  # noqa: E731
-            config, pad_id=pad_id(tokenizer), process_index=data_index, process_count=data_count, **kwargs)
+            config, pad_id=self.pad_id, process_index=data_index, process_count=data_count, **kwargs)
         self.total_steps = (config.train.num_steps if config.train.num_steps > 0
                             else config.train.epochs * self.make_batches(train_set).steps_per_epoch)
         if config.train.get("stop_at", 0) > self.total_steps:
@@ -244,12 +245,18 @@ class Trainer:
         # The training split's examples that this run's steps reach (train.stop_at, or fewer steps than an epoch)
         end = self.config.train.get("stop_at", 0) or self.total_steps
         trained = passes.trained_examples(self.make_batches(train_set), end) if jax.process_count() == 1 else None
-        # One CPU device: each reference batch cut to its own longest sequence, as the host loop's micro-batches
-        cut = self.length_multiple if steps.uses_host_loop(self.mesh) else None
+        # One CPU device: each reference batch cut to its own longest sequence, as the host loop's micro-batches;
+        # with data.share_prefix, every distinct sequence once behind the prefix it shares (a turn prompt's
+        # candidates, a task's trajectories), as the host loop's steps run a pair's prefix once.
+        host_loop = steps.uses_host_loop(self.mesh)
+        cut = self.length_multiple if host_loop else None
+        packed = (steps.make_packed_logp_fn(self.state.graphdef, rest=self.state.rest)
+                  if host_loop and setting(self.config, "data.share_prefix") else None)
         return tuple(
             dataset.with_extras(ref_logp=passes.reference_pass(ref_fn, self.state.params, dataset, self.make_batches,
                                                                self.batch_sh, self.config.data.padding_side,
-                                                               only=only, length_multiple=cut))
+                                                               only=only, length_multiple=cut, packed=packed,
+                                                               pad_id=self.pad_id))
             if dataset.num_examples else dataset for dataset, only in ((train_set, trained), (eval_set, None)))
 
     # ------------------------------------------------------------------------------------------------------
