@@ -252,7 +252,7 @@ def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
     labels int32 [B, X = L] (padding 0: a row of n tokens has at most n - 1 distinct reads, and one width keeps the
     compiled shapes few); where[b][p] the index into X of each wanted token's log-prob, in the order of
     scored[b][p]."""
-    B, rows, reads, where = rows, [], [], []
+    B, packed, reads, where = rows, [], [], []
     for b, seqs in enumerate(groups):
         seqs = [np.asarray(s, np.int32) for s in seqs]
         k = shared_length(seqs)
@@ -270,16 +270,17 @@ def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
             at_b.append(np.array([read.setdefault((int(row_index[t - 1]), int(s[t])), len(read)) for t in want],
                                  np.int64))
             start += own
-        rows.append((np.concatenate(ids), np.concatenate(segments), np.concatenate(positions)))
+        packed.append((np.concatenate(ids), np.concatenate(segments), np.concatenate(positions)))
         reads.append(read)
         where.append(at_b)
-    rows += [(np.full(1, pad, np.int32), np.ones(1, np.int32), np.zeros(1, np.int32))] * ((B or 0) - len(rows))
-    reads += [{}] * (len(rows) - len(reads))
-    L = width(max(len(r[0]) for r in rows))  # a row of n tokens holds n - 1 distinct reads, at most
-    arrays = {"ids": np.full((len(rows), L), pad, np.int32), "segments": np.zeros((len(rows), L), np.int32),
-              "positions": np.zeros((len(rows), L), np.int32), "before": np.zeros((len(rows), L), np.int32),
-              "labels": np.zeros((len(rows), L), np.int32)}
-    for b, ((ids, segments, positions), read) in enumerate(zip(rows, reads)):
+    packed += [(np.full(1, pad, np.int32), np.ones(1, np.int32), np.zeros(1, np.int32))] * ((B or 0) - len(packed))
+    reads += [{}] * (len(packed) - len(reads))
+    L = width(max(len(r[0]) for r in packed))  # a row of n tokens holds n - 1 distinct reads, at most
+    shape = (len(packed), L)
+    arrays = {"ids": np.full(shape, pad, np.int32), "segments": np.zeros(shape, np.int32),
+              "positions": np.zeros(shape, np.int32), "before": np.zeros(shape, np.int32),
+              "labels": np.zeros(shape, np.int32)}
+    for b, ((ids, segments, positions), read) in enumerate(zip(packed, reads)):
         arrays["ids"][b, :len(ids)], arrays["segments"][b, :len(ids)] = ids, segments
         arrays["positions"][b, :len(ids)] = positions
         for (before, label), x in read.items():
