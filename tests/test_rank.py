@@ -223,6 +223,29 @@ def test_packed_scoring_runs_each_prompt_once_and_pads_the_row_little(tiny_model
     assert calls[0][1] < 0.5 * (shared + len(replies) * longest)  # the prefix cache's rows, padded to the longest
 
 
+def test_models_of_one_architecture_share_the_packed_scoring_programs(tiny_model_and_tokenizer):
+    """A second model of the same graph (the critic without c after the critic, pi_ref) compiles nothing new for
+    the row widths the first compiled, and still scores with its own parameters."""
+    from flax import nnx
+
+    from sweet_jax.models import Llama, LlamaConfig
+    from sweet_jax.train import steps
+
+    _, tok = tiny_model_and_tokenizer
+    config = LlamaConfig.preset("tiny", vocab_size=len(tok))
+    prompt = ranking.turn_prompts([trajectory(["What is your number?", "I WANT TO ANSWER: def f(x): 1"])])[-1]
+    items = [(prompt, r) for r in ["Which?", "Is it 3?", "I WANT TO ANSWER:\ndef f(x):\n    return x + 3"]]
+    kw = dict(info_template="Ref: {ground_truth}", batch_size=16)
+    a, b = (Llama(config, rngs=nnx.Rngs(seed)) for seed in (3, 4))
+    program = steps._packed_logp_program(nnx.split(a, nnx.Param, ...)[0], 1.0, None)
+    got_a = ranking.ReplyScorer(a, tok, **kw)(items)
+    compiled = program._cache_size()
+    got_b = ranking.ReplyScorer(b, tok, **kw)(items)
+    assert compiled >= 1 and program._cache_size() == compiled
+    assert not np.allclose(got_a, got_b)
+    np.testing.assert_allclose(got_b, ranking.ReplyScorer(b, tok, layout="whole", **kw)(items), atol=2e-5, rtol=0)
+
+
 def test_score_shapes_pad_little_in_few_row_counts():
     # A turn prompt of 200 tokens, 9 distinct candidates of 8-40 tokens, calls of up to 16 rows.
     assert ranking.score_shape(200, [8, 12, 40] + [10] * 6, 16) == (224, 12, 40)
