@@ -166,11 +166,8 @@ def pack_shared_prefix(input_ids_BPT: np.ndarray, attention_mask_BPT: np.ndarray
     lengths_BP = attention_mask_BPT.sum(axis=-1)
     if not np.array_equal(attention_mask_BPT > 0, np.arange(T) < lengths_BP[..., None]):
         return None
-    shared_B = np.zeros(B, np.int64)
-    for b in range(B):
-        shortest = int(lengths_BP[b].min())
-        differs = np.flatnonzero((input_ids_BPT[b, :, :shortest] != input_ids_BPT[b, :1, :shortest]).any(axis=0))
-        shared_B[b] = differs[0] if len(differs) else shortest
+    shared_B = np.array([shared_length([input_ids_BPT[b, p, :lengths_BP[b, p]] for p in range(P)])
+                         for b in range(B)], np.int64)
     row_lengths = shared_B + (lengths_BP - shared_B[:, None]).sum(axis=1)
     L = -(-int(row_lengths.max()) // length_multiple) * length_multiple
     if L >= P * T:
@@ -238,7 +235,7 @@ def packed_length(seqs: Sequence[np.ndarray]) -> int:
 
 
 def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
-              scored: Sequence[Sequence[np.ndarray]] | None = None, rows: int | None = None):
+              scored: Sequence[Sequence[np.ndarray]] | None = None):
     """Each group's sequences as one row: the prefix they all share once (segment 1), then each sequence's own
     tokens (segment p + 2), every token at its position in its own sequence (attention.py's segments keep a
     sequence to the prefix and itself). The label log-probs to compute: token t of a sequence is read from the
@@ -246,13 +243,12 @@ def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
     prefix's) is computed once.
 
     width(n): the padded length L of the longest row's n tokens. scored: per group, per sequence, the token
-    positions wanted (default: every token but the first). rows: B, at least len(groups): the rest are filler
-    rows (one pad token each, nothing read), so that calls of fewer groups keep one shape.
+    positions wanted (default: every token but the first).
     Returns (arrays, where): arrays ids, segments, positions int32 [B, L] (padding: `pad`, segment 0) and before,
     labels int32 [B, X = L] (padding 0: a row of n tokens has at most n - 1 distinct reads, and one width keeps the
     compiled shapes few); where[b][p] the index into X of each wanted token's log-prob, in the order of
     scored[b][p]."""
-    B, packed, reads, where = rows, [], [], []
+    packed, reads, where = [], [], []
     for b, seqs in enumerate(groups):
         seqs = [np.asarray(s, np.int32) for s in seqs]
         k = shared_length(seqs)
@@ -273,8 +269,6 @@ def pack_rows(groups: Sequence[Sequence[np.ndarray]], *, width, pad: int = 0,
         packed.append((np.concatenate(ids), np.concatenate(segments), np.concatenate(positions)))
         reads.append(read)
         where.append(at_b)
-    packed += [(np.full(1, pad, np.int32), np.ones(1, np.int32), np.zeros(1, np.int32))] * ((B or 0) - len(packed))
-    reads += [{}] * (len(packed) - len(reads))
     L = width(max(len(r[0]) for r in packed))  # a row of n tokens holds n - 1 distinct reads, at most
     shape = (len(packed), L)
     arrays = {"ids": np.full(shape, pad, np.int32), "segments": np.zeros(shape, np.int32),

@@ -285,12 +285,7 @@ def make_packed_mean_logp_fn(model, temperature: float = 1.0):
     batching.pack_rows' arrays) -> [B, X] numpy, with this model's parameters; score_packed takes the means."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     logp = steps.make_packed_logp_fn(graphdef, rest=rest, temperature=temperature)
-
-    def packed_logp(arrays):
-        return np.asarray(logp(params, arrays))
-
-    packed_logp.lower = lambda arrays: logp.lower(params, arrays)  # for compiled-program measurements
-    return packed_logp
+    return lambda arrays: np.asarray(logp(params, arrays))
 
 
 SCORE_LAYOUTS = ("packed", "prefix_cache", "whole")

@@ -147,13 +147,16 @@ def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Col
 
     index: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
+    at: list[list[int]] = []   # each example's sequences in seqs
     for example in dataset.examples:
+        at.append([])
         for seq in example:
             ids = np.asarray(seq.input_ids, np.int32)
             if index.setdefault(ids.tobytes(), len(seqs)) == len(seqs):
                 seqs.append(ids)
+            at[-1].append(index[ids.tobytes()])
     wanted = [i for i in range(len(dataset)) if only is None or i in only]
-    needed = {index[np.asarray(seq.input_ids, np.int32).tobytes()] for i in wanted for seq in dataset.examples[i]}
+    needed = {j for i in wanted for j in at[i]}
     longest = max((len(s) for s in seqs), default=1)
     groups = [g for g in batching.prefix_groups(seqs, max_tokens=max(longest, max_tokens),
                                                 max_sequences=max_sequences, min_shared=min_shared)
@@ -172,7 +175,7 @@ def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Col
             bar.update(len(group))
     refs: list = [None] * len(dataset)
     for i in wanted:
-        refs[i] = tuple(logp[index[np.asarray(seq.input_ids, np.int32).tobytes()]] for seq in dataset.examples[i])
+        refs[i] = tuple(logp[j] for j in at[i])
     return refs
 
 

@@ -610,12 +610,7 @@ def make_packed_logp_fn(graphdef, *, rest=None, temperature: float = 1.0, chunk_
     values are those of each sequence run alone (the attention's segments), up to float rounding."""
     rest = nnx.State({}) if rest is None else rest
     fn = _packed_logp_program(graphdef, temperature, chunk_size)
-
-    def logp(params, arrays):
-        return fn(rest, params, arrays)
-
-    logp.lower = lambda params, arrays: fn.lower(rest, params, arrays)  # for compiled-program measurements
-    return logp
+    return lambda params, arrays: fn(rest, params, arrays)
 
 
 @functools.lru_cache(maxsize=16)
