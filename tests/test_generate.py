@@ -9,8 +9,9 @@ import torch
 from tiny import load_torch, make_hf_llama
 
 from sweet_jax import costs
+from sweet_jax.data.batching import bucket_prompt
 from sweet_jax.data.tokenizers import ENGLISH_SAMPLE, build_llama3_tokenizer
-from sweet_jax.sampling.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length, bucket_prompt,
+from sweet_jax.sampling.generate import (GenerateError, Request, Sampler, SamplingParams, bucket_length,
                                          decode_windows, filter_logits, first_argmax, inverse_cdf_draw, shared_prefix_length)
 from sweet_jax.models import load_hf
 

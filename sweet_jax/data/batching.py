@@ -54,6 +54,18 @@ def bucket_lengths(max_len: int, bucket_size: int = 128) -> tuple[int, ...]:
     return tuple(out)
 
 
+def bucket_prompt(n: int, minimum: int = 16) -> int:
+    """The prefill's width for prompts of up to n tokens: powers of two up to 32, then steps of a quarter of the
+    octave (40, 48, 56, 64, 80, 96, 112, 128, 160, ...; at most 1024): under 25% padding for four shapes an
+    octave, where powers of two pad up to half (a turn's new tokens, with the prompt cache, are often 20-50). The
+    sampler's decode keeps generate.bucket_length's coarser widths (decode_windows)."""
+    n = max(int(n), minimum)
+    if n <= 32:
+        return 1 << (n - 1).bit_length()
+    step = min(1 << ((n - 1).bit_length() - 3), 1024)
+    return -(-n // step) * step
+
+
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if length <= b:

@@ -47,7 +47,6 @@ from sweet_jax.models import cpu_matmul
 from sweet_jax.rl import diagnostics
 from sweet_jax.sampling import policy_backend
 from sweet_jax.sampling.base import BaseSampler
-from sweet_jax.sampling.generate import bucket_prompt
 from sweet_jax.train import losses, model_loading, rundir, steps
 
 log = logging.getLogger(__name__)
@@ -371,10 +370,10 @@ def reply_start(turn_ids) -> int:
 def score_shape(prefix_len: int, row_lengths: Sequence[int], batch_size: int) -> tuple[int, int, int]:
     """(S, B, T) of a shared-prefix scoring call: the prefix left-padded to S, B rows (a multiple of a quarter of
     batch_size: four row counts, few compiles) right-padded to T, at the sampler's prompt widths
-    (generate.bucket_prompt: under 25% padding past 32 tokens)."""
+    (batching.bucket_prompt: under 25% padding past 32 tokens)."""
     quarter = max(1, batch_size // 4)
-    return (bucket_prompt(prefix_len), min(batch_size, -(-len(row_lengths) // quarter) * quarter),
-            bucket_prompt(max(row_lengths, default=1)))
+    return (batching.bucket_prompt(prefix_len), min(batch_size, -(-len(row_lengths) // quarter) * quarter),
+            batching.bucket_prompt(max(row_lengths, default=1)))
 
 
 def score_shared_prefixes(prefix_mean_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]] | None], *,
@@ -427,12 +426,12 @@ def score_packed(packed_logp, seqs: Sequence[tuple[Sequence[int], Sequence[int]]
     """score_sequences' result from one row a call (make_packed_mean_logp_fn, batching.pack_rows): each distinct
     sequence once, the candidates of one turn prompt (turn_prompt_groups, up to `batch_size` a row) behind their
     prefix, each at its own positions; the row and its scored tokens padded to the sampler's prompt widths
-    (generate.bucket_prompt: under 25% padding past 32 tokens). `bucket`: score_sequences' (unused here)."""
+    (batching.bucket_prompt: under 25% padding past 32 tokens). `bucket`: score_sequences' (unused here)."""
     scores = np.full(len(seqs), np.nan, np.float32)
     for prefix, rows in turn_prompt_groups(seqs, batch_size):
         group = [np.concatenate([prefix, row_ids]) for row_ids, _, _ in rows]
         labelled = [len(prefix) + np.flatnonzero(row_turns == 1) for _, row_turns, _ in rows]
-        arrays, where = batching.pack_rows([group], width=bucket_prompt, pad=pad, scored=[labelled])
+        arrays, where = batching.pack_rows([group], width=batching.bucket_prompt, pad=pad, scored=[labelled])
         with costs.timed("score_pass"):
             logp_X = packed_logp(arrays)[0]
         costs.tokens("score", int(np.count_nonzero(arrays["segments"])), arrays["ids"].size)

@@ -67,6 +67,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from sweet_jax import costs, sharding
+from sweet_jax.data.batching import bucket_prompt
 from sweet_jax.data.tokenizers import apply_chat_template, check_vocab
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.models import cpu_matmul, positions_from_mask
@@ -136,18 +137,6 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     if n <= 1024:
         return 1 << (n - 1).bit_length()
     return -(-n // 1024) * 1024
-
-
-def bucket_prompt(n: int, minimum: int = 16) -> int:
-    """The prefill's width for prompts of up to n tokens: powers of two up to 32, then steps of a quarter of the
-    octave (40, 48, 56, 64, 80, 96, 112, 128, 160, ...; at most 1024): under 25% padding for four shapes an
-    octave, where powers of two pad up to half (a turn's new tokens, with the prompt cache, are often 20-50). The
-    decode keeps bucket_length's coarser widths (decode_windows)."""
-    n = max(int(n), minimum)
-    if n <= 32:
-        return 1 << (n - 1).bit_length()
-    step = min(1 << ((n - 1).bit_length() - 3), 1024)
-    return -(-n // step) * step
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]], minimum: int, multiple: int = 16) -> int:

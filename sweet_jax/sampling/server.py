@@ -70,10 +70,10 @@ import time
 import uuid
 from typing import Callable, Iterator
 
+from sweet_jax.data.batching import bucket_prompt
 from sweet_jax.errors import SweetJaxError
 from sweet_jax.sampling import generate
-from sweet_jax.sampling.generate import (MAX_TOP_LOGPROBS, GenerateError, Request, Sample, Sampler, SamplingParams,
-                                         bucket_prompt)
+from sweet_jax.sampling.generate import MAX_TOP_LOGPROBS, GenerateError, Request, Sample, Sampler, SamplingParams
 from sweet_jax.train import model_loading
 
 log = logging.getLogger(__name__)

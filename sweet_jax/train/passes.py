@@ -138,12 +138,11 @@ def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Col
     """reference_pass's result (its `only` too) with every distinct sequence run once, in rows of sequences that
     share a prefix (batching.prefix_groups: at least min_shared tokens, up to max_sequences and max_tokens a row,
     or one sequence): a turn prompt's candidates share the whole prompt, a task's trajectories their statement and
-    c. Each row is a call of its own at generate.bucket_prompt's width of it (under 25% padding past 32 tokens),
+    c. Each row is a call of its own at batching.bucket_prompt's width of it (under 25% padding past 32 tokens),
     longest first. The rows are drawn over all of the dataset's sequences and a row runs whole when any of its
     sequences is wanted, so that a sequence's value does not depend on `only` (a run stopped at a step computes
     what the whole run computed). The same values as ref_logp_fn's up to float rounding (each sequence sees only
     the prefix and itself: the attention's segments)."""
-    from sweet_jax.sampling.generate import bucket_prompt
 
     index: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
@@ -166,7 +165,7 @@ def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Col
     with tqdm(total=sum(map(len, groups)), desc="reference log-probs", unit="seq",
               disable=jax.process_index() != 0) as bar:
         for group in groups:
-            arrays, where = batching.pack_rows([[seqs[j] for j in group]], width=bucket_prompt, pad=pad_id)
+            arrays, where = batching.pack_rows([[seqs[j] for j in group]], width=batching.bucket_prompt, pad=pad_id)
             with costs.timed("ref_logp_pass"):
                 logp_BX = to_host(packed_logp_fn(params, arrays))
             costs.tokens("ref_logp", int(np.count_nonzero(arrays["segments"])), arrays["ids"].size)
