@@ -479,18 +479,27 @@ def test_every_field_in_the_configuration_page_exists_and_every_field_is_there()
     assert not missing, "fields missing from docs/configuration.md:\n" + "\n".join(missing)
 
 
-def test_the_readme_s_results_command_runs_as_written_from_another_directory_and_gives_its_table(tmp_path):
-    """The README's headline table is `python -m sweet_jax.pipeline_report bench/results/... --out runs/...`, paths
+@pytest.mark.parametrize("first_run, out, header", [
+    ("select_seed0", "select_mean", "| SmolLM2-135M-Instruct, SFT start |"),
+    ("discovery_seed0/state", "discovery_mean", "| SmolLM2-135M-Instruct, SFT start, discovery family |")])
+def test_the_readme_s_results_commands_run_as_written_from_another_directory_and_give_their_tables(
+        tmp_path, first_run, out, header):
+    """The README's result tables are `python -m sweet_jax.pipeline_report bench/results/... --out runs/...`, paths
     relative to where it runs: run as written from a directory holding bench/results (here a link to the
-    checkout's), it writes runs/select_mean there and prints the README's numbers."""
+    checkout's), each writes its runs/<out> there and prints the README's numbers (and, for the discovery family,
+    the paired intervals the README quotes)."""
     readme = (REPO / "README.md").read_text()
-    line = re.search(r"`(python -m sweet_jax\.pipeline_report bench/results/select_seed0 [^`]*)`", readme).group(1)
+    line = re.search(rf"`(python -m sweet_jax\.pipeline_report bench/results/{first_run} [^`]*)`", readme).group(1)
     (tmp_path / "bench").symlink_to(REPO / "bench")
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(shlex.split(line.replace("python", sys.executable, 1)), cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "runs" / "select_mean" / "results.md").is_file()
+    assert (tmp_path / "runs" / out / "results.md").is_file()
     numbers = lambda text: re.findall(r"\d+\.\d ± \d+\.\d", text)  # noqa: E731
-    table = readme.split("| SmolLM2-135M-Instruct, SFT start |", 1)[1].split("\n\n", 1)[0]
+    table = readme.split(header, 1)[1].split("\n\n", 1)[0]
     assert numbers(table) and numbers(proc.stdout)[:len(numbers(table))] == numbers(table)
+    if out == "discovery_mean":
+        intervals = lambda text: re.findall(r"[-+]\d+\.\d \[[-+]\d+\.\d, [-+]\d+\.\d\]", text)  # noqa: E731
+        quoted = intervals(readme.split(header, 1)[1].split("**The lookup family**", 1)[0])
+        assert len(quoted) == 4 and set(quoted) <= set(intervals(proc.stdout)), (quoted, intervals(proc.stdout))
