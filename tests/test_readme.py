@@ -479,15 +479,16 @@ def test_every_field_in_the_configuration_page_exists_and_every_field_is_there()
     assert not missing, "fields missing from docs/configuration.md:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("first_run, out, header", [
-    ("select_seed0", "select_mean", "| SmolLM2-135M-Instruct, SFT start |"),
-    ("discovery_seed0/state", "discovery_mean", "| SmolLM2-135M-Instruct, SFT start, discovery family |")])
+@pytest.mark.parametrize("first_run, out, header, intervals_end", [
+    ("select_seed0", "select_mean", "| SmolLM2-135M-Instruct, SFT start |", None),
+    ("discovery_seed0/state", "discovery_mean", "| SmolLM2-135M-Instruct, SFT start, discovery family |",
+     "**The lookup family**")])
 def test_the_readme_s_results_commands_run_as_written_from_another_directory_and_give_their_tables(
-        tmp_path, first_run, out, header):
+        tmp_path, first_run, out, header, intervals_end):
     """The README's result tables are `python -m sweet_jax.pipeline_report bench/results/... --out runs/...`, paths
     relative to where it runs: run as written from a directory holding bench/results (here a link to the
-    checkout's), each writes its runs/<out> there and prints the README's numbers (and, for the discovery family,
-    the paired intervals the README quotes)."""
+    checkout's), each writes its runs/<out> there and prints the README's numbers (and the paired intervals the
+    README quotes between the table and intervals_end)."""
     readme = (REPO / "README.md").read_text()
     line = re.search(rf"`(python -m sweet_jax\.pipeline_report bench/results/{first_run} [^`]*)`", readme).group(1)
     (tmp_path / "bench").symlink_to(REPO / "bench")
@@ -499,7 +500,7 @@ def test_the_readme_s_results_commands_run_as_written_from_another_directory_and
     numbers = lambda text: re.findall(r"\d+\.\d ± \d+\.\d", text)  # noqa: E731
     table = readme.split(header, 1)[1].split("\n\n", 1)[0]
     assert numbers(table) and numbers(proc.stdout)[:len(numbers(table))] == numbers(table)
-    if out == "discovery_mean":
+    if intervals_end:
         intervals = lambda text: re.findall(r"[-+]\d+\.\d \[[-+]\d+\.\d, [-+]\d+\.\d\]", text)  # noqa: E731
-        quoted = intervals(readme.split(header, 1)[1].split("**The lookup family**", 1)[0])
+        quoted = intervals(readme.split(header, 1)[1].split(intervals_end, 1)[0])
         assert len(quoted) == 4 and set(quoted) <= set(intervals(proc.stdout)), (quoted, intervals(proc.stdout))

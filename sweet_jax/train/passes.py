@@ -143,7 +143,6 @@ def packed_reference_pass(packed_logp_fn, params, dataset: Dataset, *, only: Col
     sequences is wanted, so that a sequence's value does not depend on `only` (a run stopped at a step computes
     what the whole run computed). The same values as ref_logp_fn's up to float rounding (each sequence sees only
     the prefix and itself: the attention's segments)."""
-
     index: dict[bytes, int] = {}
     seqs: list[np.ndarray] = []
     at: list[list[int]] = []   # each example's sequences in seqs
