@@ -128,6 +128,7 @@ def test_an_endless_script_loses_its_page_and_the_next_page_renders(pool):
 def test_a_huge_page_is_cut_at_the_maximum_height(pool):
     render = pool.render("<body style='margin:0'><div style='height:5000000px;width:50000px;"
                          "background:#0000ff'></div></body>")
+    assert render.png is not None, render.error
     width, height = render.size
     assert height == MAX_HEIGHT and width <= 4 * 1280
 

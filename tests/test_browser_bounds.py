@@ -2,6 +2,7 @@
 screenshots cut and refused by size, the browser's memory bound (a cgroup, or a data limit per process)."""
 from __future__ import annotations
 
+import base64
 import io
 import socket
 import subprocess
@@ -102,6 +103,48 @@ def test_a_screenshot_past_the_pixel_bound_is_refused_from_its_header(monkeypatc
     monkeypatch.setattr(browser, "MAX_SCREENSHOT_PIXELS", 1000)
     with pytest.raises(browser.ScreenshotTooLargeError, match="40x40 pixels"):
         browser.checked_screenshot(png_of(np.zeros((40, 40, 3), np.uint8)))
+
+
+class CapturingDriver:
+    """What the renderer asks of a WebDriver for one page, with captures of the given sizes in turn."""
+
+    def __init__(self, content, captures):
+        self.content, self.captures, self.clips = content, list(captures), []
+        self.window_handles = ["main"]
+        self.switch_to = type("SwitchTo", (), {"window": lambda self, handle: None})()
+
+    def get(self, url):
+        pass
+
+    def execute_script(self, script):
+        pass
+
+    def execute_cdp_cmd(self, command, params):
+        if command == "Page.getLayoutMetrics":
+            return {"cssContentSize": {"width": self.content[0], "height": self.content[1]}}
+        if command == "Page.captureScreenshot":
+            self.clips.append((params["clip"]["width"], params["clip"]["height"]))
+            width, height = self.captures.pop(0)
+            return {"data": base64.b64encode(png_of(np.zeros((height, width, 3), np.uint8))).decode()}
+        return {}
+
+
+def fake_renderer(monkeypatch, driver):
+    monkeypatch.setattr(browser, "find_browser", lambda: ("chromium", "chromedriver"))
+    renderer = browser.Renderer(server=None, max_height=3000)
+    renderer._driver = driver
+    return renderer
+
+
+def test_a_capture_at_another_size_than_its_clip_is_taken_again_and_refused_when_it_stays_so(monkeypatch):
+    """A capture beyond the viewport once came back at the viewport's size on a loaded host (1280x800 for a
+    5120x3000 clip): the renderer takes it again, and loses the page rather than score a part of it."""
+    driver = CapturingDriver((50000, 5_000_000), [(1280, 800), (5120, 3000)])
+    png = fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
+    assert Image.open(io.BytesIO(png)).size == (5120, 3000) and driver.clips == [(5120, 3000)] * 2
+    driver = CapturingDriver((50000, 5_000_000), [(1280, 800)] * browser.CAPTURE_ATTEMPTS)
+    with pytest.raises(browser.ScreenshotSizeError, match="1280x800 screenshot for a 5120x3000 clip 3 times"):
+        fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
 
 
 ALLOCATE = "x = bytearray({mb} << 20); x[::4096] = b'1' * len(x[::4096]); print('allocated')"

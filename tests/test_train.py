@@ -215,7 +215,7 @@ def test_a_disk_that_fills_during_a_checkpoint_is_one_line(data, tmp_path):
     lines = [line for line in proc.stderr.replace("\r", "\n").splitlines()
              if line.strip() and "%|" not in line and not re.match(r"\d\d:\d\d:\d\d [IW] ", line)]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: no space left on the device writing "), lines[:20]
+    assert len(lines) == 1 and lines[0].startswith("error: no space left on the device writing "), proc.stderr[-6000:]
     assert f"{small}/run/checkpoints/" in lines[0] and "Traceback" not in proc.stderr
 
 

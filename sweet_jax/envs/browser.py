@@ -17,7 +17,8 @@ How a page is contained:
 - Full-page screenshots have a fixed viewport (`VIEWPORT`, CSS pixels at scale 1) and are cut at
   `MAX_PAGE_HEIGHT` and at `MAX_SCREENSHOT_PIXELS`; a PNG over `MAX_SCREENSHOT_BYTES` (a canvas of random
   pixels does not compress) is refused in the renderer, so it is neither kept per page nor posted to the
-  vision simulator.
+  vision simulator. A capture that comes back at another size than its clip is taken again, up to
+  `CAPTURE_ATTEMPTS` times, and the page is lost after that (never scored on a part of itself).
 - Each browser has a memory bound (`BROWSER_MEMORY_MB`): a memory cgroup around the whole browser where this
   process may make one, else a per-process data limit (RLIMIT_DATA, which Chromium's address-space
   reservations do not count against), and a V8 heap limit. A page past it crashes its renderer: the page gets no
@@ -67,6 +68,7 @@ MAX_SCREENSHOT_BYTES = 16 << 20  # an honest page's PNG is well under 2 MB; rand
 BROWSER_MEMORY_MB = 2048       # one browser with its page (honest pages use a few hundred MB)
 REFUSED_KEPT = 100             # refused proxy requests remembered (for tests and logs)
 MAX_CONNECTIONS = 64           # proxy connections answered at a time
+CAPTURE_ATTEMPTS = 3           # captures of a page whose screenshot comes back at another size than its clip
 PAGE_TIME_LIMIT_S = 15.0       # load + layout + screenshot of one page
 PLACEHOLDER_URL = placeholder_url(400, 300)   # what tests and demo pages show
 
@@ -219,6 +221,16 @@ def screenshot_clip(content_width: int, content_height: int, viewport=VIEWPORT,
     return width, max(1, min(height, MAX_SCREENSHOT_PIXELS // width))
 
 
+class ScreenshotSizeError(SweetJaxError):
+    """The browser's screenshot is not the size of the clip asked for: the page is lost, not scored on a part."""
+
+
+def _png_size(data: str) -> tuple[int, int]:
+    """(width, height) from a base64 PNG's header (its IHDR chunk: bytes 16-24), without decoding the rest."""
+    header = base64.b64decode(data[:32])
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
 def checked_screenshot(png: bytes) -> bytes:
     """`png` if it is within MAX_SCREENSHOT_BYTES and MAX_SCREENSHOT_PIXELS (its header says), else
     ScreenshotTooLargeError: what leaves the renderer is bounded whatever the page drew."""
@@ -325,9 +337,19 @@ class Renderer:
         metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
         content = metrics.get("cssContentSize") or metrics["contentSize"]
         width, height = screenshot_clip(content["width"], content["height"], self.viewport, self.max_height)
-        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
-            "format": "png", "captureBeyondViewport": True, "fromSurface": True,
-            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
+        for attempt in range(CAPTURE_ATTEMPTS):
+            shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+                "format": "png", "captureBeyondViewport": True, "fromSurface": True,
+                "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}})
+            size = _png_size(shot["data"])
+            if size == (width, height):
+                break
+            # Seen on a loaded host: a capture beyond the viewport came back at the viewport's size.
+            log.warning("the browser returned a %dx%d screenshot for a %dx%d clip (attempt %d of %d)",
+                        *size, width, height, attempt + 1, CAPTURE_ATTEMPTS)
+        else:
+            raise ScreenshotSizeError(f"the browser returned a {size[0]}x{size[1]} screenshot for a {width}x{height} "
+                                      f"clip {CAPTURE_ATTEMPTS} times")
         # Back to a blank page and one window, so nothing of this page lives on into the next.
         handles = driver.window_handles
         for handle in handles[1:]:

@@ -48,13 +48,16 @@ class CheckpointError(SweetJaxError):
 
 
 def _not_a_full_disk(record: logging.LogRecord) -> bool:
-    """Orbax's save threads log each failed write with its traceback; a full disk fails them all at once. The
-    training loop reports it as one line (errors.disk_full), so those records are dropped."""
+    """Orbax's save threads log each failed write with its traceback, and asyncio logs each of their write tasks
+    whose error nobody awaited ("Task exception was never retrieved") when it is collected, at exit or before; a
+    full disk fails them all at once. The training loop reports it as one line (errors.disk_full), so those
+    records are dropped."""
     error = record.exc_info[1] if record.exc_info else None
     return disk_full(error) is None if error is not None else disk_full(Exception(record.getMessage())) is None
 
 
 logging.getLogger("absl").addFilter(_not_a_full_disk)
+logging.getLogger("asyncio").addFilter(_not_a_full_disk)
 
 
 def _quiet_closed_loop(previous, unraisable) -> None:
