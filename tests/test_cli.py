@@ -229,9 +229,26 @@ def test_command_lines_share_a_persistent_compilation_cache_unless_the_user_chos
     environ = {"XDG_CACHE_HOME": str(tmp_path)}
     cli.compile_cache_environment(environ)
     assert environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "sweet_jax" / "jax")
-    environ = {"JAX_COMPILATION_CACHE_DIR": ""}   # off
+    assert environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    environ = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}   # off; JAX's own
     cli.compile_cache_environment(environ)
-    assert environ["JAX_COMPILATION_CACHE_DIR"] == ""
+    assert environ == {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
+
+
+def test_a_program_that_compiles_in_milliseconds_is_kept_in_the_cache_and_read_back_by_the_next_process(tmp_path):
+    """The environment a command line sets, as JAX reads it at import: a tiny program (JAX's default would skip
+    it, under a second) is written to the cache by one process and read from it by the next."""
+    script = ("import os, sys; from sweet_jax import cli; cli.compile_cache_environment(); import jax; "
+              "from sweet_jax import costs; costs.listen_to_compiles(); costs.reset(); "
+              "jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7.0)).block_until_ready(); "
+              "print(int(costs.snapshot().get('compile_cache_hits', 0)))")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path)}
+    for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(key, None)
+    hits = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                           timeout=120).stdout.split()[-1] for _ in range(2)]
+    entries = [p.name for p in (tmp_path / "sweet_jax" / "jax").rglob("*") if p.is_file()]
+    assert hits == ["0", "2"] and any(e.startswith("jit__lambda") for e in entries), (hits, entries)  # iota, lambda
 
 
 def test_importing_the_library_on_a_cpu_host_with_libtpu_prints_no_tpu_probe(tmp_path):
