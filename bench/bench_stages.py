@@ -3,7 +3,7 @@ sampling's prefill and decode, sandbox, scoring and reference passes, train step
 the `costs` each stage keeps in DIR/STAGE/done.json), for two sides of a comparison run on the same host (one after
 the other, or with --together at once), with their ratio and their outputs compared.
 
-    python bench/bench_stages.py --model HF_DIR --out OUT --before REV [--together] [--preset smollm2_select] [--scale 0.25]
+    python bench/bench_stages.py --model HF_DIR --out OUT --before REV [--together] [--preset PRESET] [--scale 0.25]
     python bench/bench_stages.py --model HF_DIR --out OUT [--preset smollm2] [--scale 0.25]
     python bench/bench_stages.py --evidence bench/results/select_seed2/evidence
     python bench/bench_stages.py --run bench/results/discovery_seed0/state
@@ -15,7 +15,8 @@ Without it the sides are the float32 and bfloat16 CPU matmuls (model.cpu_matmul 
 
 HF_DIR: SmolLM2-135M-Instruct as an HF directory (`python -m sweet_jax.models.gguf smollm2 HF_DIR`). --preset
 smollm2_select runs a frozen seed of the comparison (select.frozen: seed 0's choices from
-bench/results/select_seed0/results.json, their step counts times --scale); smollm2 runs zero_shot and sweet. Every
+bench/results/select_seed0/results.json, their step counts times --scale); smollm2_discovery a seed of the
+discovery protocol (its validation cells included, --seed its task draw); smollm2 runs zero_shot and sweet. Every
 count (tasks, steps, prompts) is multiplied by --scale (1 = the preset's full size). With --before both sides start
 from one starting policy ("after" copies the init stage of "before": init.from_run) and each keeps its own JAX
 compilation cache (OUT/SIDE/jax_cache, empty at its start: a cold seed). Rerun to resume; --sides runs only some
@@ -41,7 +42,9 @@ COUNTS = {"smollm2": (("init.num_tasks", 512), ("init.sft.num_steps", 64), ("tas
                       ("tasks.num_heldout", 48), ("critic.num_steps", 32), ("rank.max_prompts", 64),
                       ("sweet.num_steps", 24)),
           "smollm2_select": (("init.num_tasks", 512), ("init.sft.num_steps", 64), ("tasks.num_train", 64),
-                             ("tasks.num_heldout", 48), ("critic.num_steps", 32))}
+                             ("tasks.num_heldout", 48), ("critic.num_steps", 32)),
+          "smollm2_discovery": (("init.num_tasks", 512), ("init.sft.num_steps", 64), ("tasks.num_train", 64),
+                                ("tasks.num_validation", 48), ("tasks.num_heldout", 100), ("critic.num_steps", 32))}
 # What the cost columns sum (done.json costs): (column, keys)
 COST_COLUMNS = (("compile", ("compile_s",)), ("prefill", ("sample_prefill_s",)), ("decode", ("sample_decode_s",)),
                 ("sandbox", ("sandbox_s",)), ("score passes", ("score_pass_s",)),
