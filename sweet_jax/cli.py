@@ -39,7 +39,8 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 
 from sweet_jax import host_malloc
-from sweet_jax.errors import SweetJaxError, disk_full, disk_full_message, exit_with_error, remote_unreachable
+from sweet_jax.errors import (SweetJaxError, disk_full, disk_full_message, drop_abandoned_writes, exit_with_error,
+                              remote_unreachable)
 
 COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
             "pipeline_diagnostics")
@@ -187,6 +188,8 @@ def guarded(body: Callable[[], Any]) -> Any:
         if full is None and remote is None:
             raise
         _debug_traceback()
+        if full is not None:
+            drop_abandoned_writes()
         exit_with_error(disk_full_message(full) if full is not None else remote)
     except KeyboardInterrupt:
         _debug_traceback()

@@ -6,6 +6,7 @@ import errno
 import logging
 import re
 import sys
+import warnings
 from typing import Callable, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -42,6 +43,8 @@ def cli_main(log: logging.Logger, body: Callable[[], T]) -> T:
         if full is None and remote is None:
             raise
         log.debug("error details", exc_info=True)
+        if full is not None:
+            drop_abandoned_writes()
         exit_with_error(disk_full_message(full) if full is not None else remote)
 
 
@@ -93,6 +96,13 @@ def remote_unreachable(error: BaseException) -> str | None:
                     "local path")
         error = error.__cause__ or error.__context__
     return None
+
+
+def drop_abandoned_writes() -> None:
+    """A run that ends on a full disk: the save it cut short leaves array writes that never ran, and at exit Python
+    warns of each such coroutine ("coroutine ... was never awaited") after the one-line error. Ignored from here
+    on: the error says what happened (errors.disk_full); the writes were to a checkpoint that is dropped."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def disk_full_message(error: OSError) -> str:
