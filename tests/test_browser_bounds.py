@@ -137,8 +137,9 @@ def fake_renderer(monkeypatch, driver):
 
 
 def test_a_capture_at_another_size_than_its_clip_is_taken_again_and_refused_when_it_stays_so(monkeypatch):
-    """A capture beyond the viewport once came back at the viewport's size on a loaded host (1280x800 for a
-    5120x3000 clip): the renderer takes it again, and loses the page rather than score a part of it."""
+    """A capture at another size than its clip (once in CI, on a loaded host, a page cut at 3000 px came back 800
+    high; here a 1280x800 capture for a 5120x3000 clip): taken again, and the page lost rather than scored on a
+    part of it."""
     driver = CapturingDriver((50000, 5_000_000), [(1280, 800), (5120, 3000)])
     png = fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
     assert Image.open(io.BytesIO(png)).size == (5120, 3000) and driver.clips == [(5120, 3000)] * 2

@@ -344,7 +344,7 @@ class Renderer:
             size = _png_size(shot["data"])
             if size == (width, height):
                 break
-            # Seen on a loaded host: a capture beyond the viewport came back at the viewport's size.
+            # Once in CI, on a loaded host: a page cut at 3000 px came back 800 px high, the viewport's height.
             log.warning("the browser returned a %dx%d screenshot for a %dx%d clip (attempt %d of %d)",
                         *size, width, height, attempt + 1, CAPTURE_ATTEMPTS)
         else:
