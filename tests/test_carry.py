@@ -1,9 +1,13 @@
-"""A run's small state carried to another machine (sweet_jax/pipeline/carry.py) and the stage rule that trains
-again only the models a stage still to run reads (Run.stage's consumers); the whole pipeline resumed from a carried
-state: tests/test_pipeline.py::test_a_run_goes_on_from_its_carried_state_on_a_new_machine."""
+"""A run's small state carried to another machine (sweet_jax/pipeline/carry.py), the stage rule that trains again
+only the models a stage still to run reads (Run.stage's consumers), and what a finished stage leaves behind. The
+whole pipeline resumed from a carried state:
+tests/test_pipeline.py::test_a_run_goes_on_from_its_carried_state_on_a_new_machine."""
+import gc
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 
@@ -82,6 +86,29 @@ def test_a_stage_whose_models_are_gone_runs_again_only_for_a_stage_that_still_re
     assert len(calls) == 3
     record = json.loads((tmp_path / "policy/done.json").read_text())
     assert record["host"]["cores"] >= 1 and "processor" in record["host"]
+
+
+def test_a_finished_stage_leaves_no_array_held_only_by_a_reference_cycle(tmp_path):
+    """A stage's trainer and model often sit in reference cycles; Run.stage collects them when the stage ends, so
+    the next stage does not run beside the last one's parameters (automatic collection is off here: without that
+    collection the cycle's array would still be alive)."""
+    run = stages.Run(ml_collections.ConfigDict(), tmp_path)
+    ids = []
+
+    def train(d):
+        trainer = {"params": jnp.ones((256, 256))}
+        trainer["self"] = trainer                       # a cycle, as a trainer's callbacks and modules make
+        ids.append(id(trainer["params"]))
+        return {"steps": 1}
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run.stage("policy", "policy", train)
+        assert ids and ids[0] not in {id(a) for a in jax.live_arrays()}
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_method_learning_rates_replace_the_grid_rates_for_the_methods_they_name():

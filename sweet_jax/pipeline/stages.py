@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -176,6 +177,10 @@ class Run:
         costs.reset()
         t0, cpu0, load0, rss0 = time.time(), _cpu_seconds(), os.getloadavg()[0], _rss_gb()
         summary = fn(d)
+        # A finished stage's trainer, sampler and model are garbage, but some of it sits in reference cycles
+        # (a training stage's parameters and optimizer state, ~2 GB at SmolLM2-135M) that only a full collection
+        # frees, which a long run may not reach before the next stage allocates its own.
+        gc.collect()
         seconds = time.time() - t0
         # CPU seconds and load averages beside the wall time: on a shared machine the wall time alone says
         # little; cpu_seconds / cores is the idle machine's wall time, roughly. costs: where the seconds went.
