@@ -482,7 +482,9 @@ def test_every_field_in_the_configuration_page_exists_and_every_field_is_there()
 @pytest.mark.parametrize("first_run, out, header, intervals_end", [
     ("select_seed0", "select_mean", "| SmolLM2-135M-Instruct, SFT start |", None),
     ("discovery_seed0/state", "discovery_mean", "| SmolLM2-135M-Instruct, SFT start, discovery family |",
-     "**The lookup family**")])
+     "**The lookup family**"),
+    ("lookup_seed0/state", "lookup_mean", "| SmolLM2-135M-Instruct, SFT start, lookup family |",
+     "**Both families")])
 def test_the_readme_s_results_commands_run_as_written_from_another_directory_and_give_their_tables(
         tmp_path, first_run, out, header, intervals_end):
     """The README's result tables are `python -m sweet_jax.pipeline_report bench/results/... --out runs/...`, paths
