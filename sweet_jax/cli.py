@@ -39,8 +39,7 @@ from absl import logging as absl_logging
 from tqdm import tqdm
 
 from sweet_jax import host_malloc
-from sweet_jax.errors import (SweetJaxError, disk_full, disk_full_message, drop_abandoned_writes, exit_with_error,
-                              remote_unreachable)
+from sweet_jax.errors import SweetJaxError, exit_with_error, storage_failure
 
 COMMANDS = ("train", "export", "plan", "rollout", "rank", "serve", "evaluate", "pipeline", "pipeline_report",
             "pipeline_diagnostics")
@@ -184,13 +183,11 @@ def guarded(body: Callable[[], Any]) -> Any:
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 — a full disk or unreachable storage is one line; other errors keep
-        full, remote = disk_full(e), remote_unreachable(e)  # their traceback
-        if full is None and remote is None:
+        message = storage_failure(e)  # their traceback
+        if message is None:
             raise
         _debug_traceback()
-        if full is not None:
-            drop_abandoned_writes()
-        exit_with_error(disk_full_message(full) if full is not None else remote)
+        exit_with_error(message)
     except KeyboardInterrupt:
         _debug_traceback()
         print("interrupted (Ctrl-C)", file=sys.stderr)

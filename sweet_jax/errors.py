@@ -39,13 +39,11 @@ def cli_main(log: logging.Logger, body: Callable[[], T]) -> T:
         log.debug("error details", exc_info=True)
         exit_with_error(str(e))
     except Exception as e:  # noqa: BLE001 — only a full disk or unreachable storage is answered here
-        full, remote = disk_full(e), remote_unreachable(e)
-        if full is None and remote is None:
+        message = storage_failure(e)
+        if message is None:
             raise
         log.debug("error details", exc_info=True)
-        if full is not None:
-            drop_abandoned_writes()
-        exit_with_error(disk_full_message(full) if full is not None else remote)
+        exit_with_error(message)
 
 
 # TensorStore (Orbax's array writer) reports a full disk as ValueError("RESOURCE_EXHAUSTED: ... Failed writing:
@@ -96,6 +94,16 @@ def remote_unreachable(error: BaseException) -> str | None:
                     "local path")
         error = error.__cause__ or error.__context__
     return None
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """A full disk or unreachable storage as the one line a command ends with (None for any other error). On a full
+    disk the save it cut short is not warned of at exit either (drop_abandoned_writes)."""
+    full = disk_full(error)
+    if full is None:
+        return remote_unreachable(error)
+    drop_abandoned_writes()
+    return disk_full_message(full)
 
 
 def drop_abandoned_writes() -> None:
