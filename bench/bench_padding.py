@@ -30,13 +30,14 @@ def stage_configs(run) -> dict:
     for name, use_info in (("critic", True), ("critic_no_info", False)):
         out[name] = (stages.train_config(c, kind="critic", stage=c.critic, model_path=policy, tokenizer=run.tokenizer_dir,
                                          trajectories=offline, use_info=use_info, seed_offset=1), c.critic.num_steps)
-    frozen = stages.selection_grid(c)
+    grid = stages.selection_grid(c)
     for method in ("mtdpo", "rft", "sweet"):
         pairs = str(w / "rank" / "pairs.jsonl")
         if method == "sweet" and not pathlib.Path(pairs).exists():
             continue
         tconfig = stages.policy_train_config(run, method, policy, trajectories=offline, pairs=pairs)
-        steps = frozen.frozen[method]["step"] if frozen is not None and frozen.frozen else tconfig.train.num_steps
+        # as stages.stage_policy_grid: trained to the last of the grid's steps (frozen: the chosen one)
+        steps = max(grid.steps_of(method)) if grid is not None else tconfig.train.num_steps
         out[method] = (tconfig, steps)
     return out
 
