@@ -114,10 +114,10 @@ class CapturingDriver:
         self.switch_to = type("SwitchTo", (), {"window": lambda self, handle: None})()
 
     def get(self, url):
-        pass
+        self.host = url.removeprefix("http://").rstrip("/")
 
     def execute_script(self, script):
-        pass
+        return [self.host, "complete"] if script == browser._PAGE_STATE else None
 
     def execute_cdp_cmd(self, command, params):
         if command == "Page.getLayoutMetrics":
@@ -146,6 +146,51 @@ def test_a_capture_at_another_size_than_its_clip_is_taken_again_and_refused_when
     driver = CapturingDriver((50000, 5_000_000), [(1280, 800)] * browser.CAPTURE_ATTEMPTS)
     with pytest.raises(browser.ScreenshotSizeError, match="1280x800 screenshot for a 5120x3000 clip 3 times"):
         fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
+
+
+
+class EarlyDriver(CapturingDriver):
+    """A chromedriver that returns from `get` (or raises its own timeout) before the page has loaded: the window
+    shows the blank page, then the page loading, then loaded; its layout is the blank page's 800 px until then."""
+
+    def __init__(self, content, *, states, raises=False):
+        super().__init__(content, [content])
+        self.states, self.raises, self.loaded = list(states), raises, False
+
+    def get(self, url):
+        super().get(url)
+        if self.raises:  # the page's navigation, not the blank page's after it
+            self.raises = False
+            raise type("TimeoutException", (Exception,), {})("Message: timeout")
+
+    def execute_script(self, script):
+        state = self.states.pop(0) if self.states else [self.host, "complete"]
+        self.loaded = state == [self.host, "complete"]
+        return [state[0] or self.host, state[1]]
+
+    def execute_cdp_cmd(self, command, params):
+        if command == "Page.getLayoutMetrics" and not self.loaded:
+            return {"cssContentSize": {"width": 1280, "height": 800}}
+        return super().execute_cdp_cmd(command, params)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns early", "raises its timeout early"])
+def test_a_page_is_measured_once_the_window_shows_it_loaded(monkeypatch, raises):
+    """With Chromium 150 on a loaded CI host, `get` returned before the page loaded (measured at 800 px, the blank
+    page's) or raised chromedriver's 'timeout' 2 s into a 15 s limit: the renderer waits for the page itself."""
+    states = [["about:blank", "complete"], [None, "loading"], [None, "interactive"]]
+    driver = EarlyDriver((1280, 2000), states=states, raises=raises)
+    png = fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
+    assert Image.open(io.BytesIO(png)).size == (1280, 2000) and driver.clips == [(1280, 2000)]
+
+
+def test_a_page_that_never_loads_is_lost_at_its_time_limit(monkeypatch):
+    driver = EarlyDriver((1280, 2000), states=[[None, "loading"]] * 10**6)
+    renderer = fake_renderer(monkeypatch, driver)
+    renderer.time_limit_s = 0.3
+    with pytest.raises(browser.PageNotLoadedError, match=r"not loaded after 0.3 s .*readyState 'loading'"):
+        renderer._screenshot("http://page.invalid/")
+    assert driver.clips == []
 
 
 ALLOCATE = "x = bytearray({mb} << 20); x[::4096] = b'1' * len(x[::4096]); print('allocated')"

@@ -221,6 +221,14 @@ def screenshot_clip(content_width: int, content_height: int, viewport=VIEWPORT,
     return width, max(1, min(height, MAX_SCREENSHOT_PIXELS // width))
 
 
+class PageNotLoadedError(SweetJaxError):
+    """The browser did not show the page, loaded, within its time limit."""
+
+
+# The window's origin (each page has its own: a page that changes its own path or hash keeps it) and load state.
+_PAGE_STATE = "return [location.host, document.readyState];"
+
+
 class ScreenshotSizeError(SweetJaxError):
     """The browser's screenshot is not the size of the clip asked for: the page is lost, not scored on a part."""
 
@@ -331,9 +339,28 @@ class Renderer:
         release, self._release_memory_bound = self._release_memory_bound, lambda: None
         release()
 
+    def _load(self, url: str) -> None:
+        """Navigate to `url` and return once the window shows its origin with the load event fired (readyState
+        'complete'), or raise PageNotLoadedError at the page's time limit. chromedriver's `get` alone is not
+        enough: with Chromium 150 on a loaded host it has returned before the page loaded (a page measured at
+        the blank page's 800 px, another without its picture) and raised its own 'timeout' 2 s into a 15 s limit,
+        its browser's start included; both mean only that the page is not there yet."""
+        driver, deadline = self._driver, time.monotonic() + self.time_limit_s
+        host = url.removeprefix("http://").partition("/")[0]
+        try:
+            driver.get(url)
+        except Exception as e:  # selenium's TimeoutException, imported lazily with selenium
+            if type(e).__name__ != "TimeoutException" or time.monotonic() >= deadline:
+                raise
+        while (state := driver.execute_script(_PAGE_STATE)) != [host, "complete"]:
+            if time.monotonic() >= deadline:
+                raise PageNotLoadedError(f"the page had not loaded after {self.time_limit_s:g} s (the window shows "
+                                         f"{state[0][:80]!r}, readyState {state[1]!r})")
+            time.sleep(0.02)
+
     def _screenshot(self, url: str) -> bytes:
         driver = self._driver
-        driver.get(url)
+        self._load(url)
         metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
         content = metrics.get("cssContentSize") or metrics["contentSize"]
         width, height = screenshot_clip(content["width"], content["height"], self.viewport, self.max_height)
