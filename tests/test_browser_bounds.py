@@ -193,6 +193,40 @@ def test_a_page_that_never_loads_is_lost_at_its_time_limit(monkeypatch):
     assert driver.clips == []
 
 
+
+class FailingDriver(CapturingDriver):
+    """A browser whose driver fails its page after `after_s` seconds (chromedriver's own error, not the page's)."""
+
+    def __init__(self, after_s: float = 0.0):
+        super().__init__((1280, 800), [])
+        self.after_s = after_s
+
+    def get(self, url):
+        time.sleep(self.after_s)
+        raise RuntimeError("Message: timeout")
+
+
+@pytest.mark.parametrize("drivers, rendered, restarts", [
+    ("fast, ok", True, 1), ("fast, fast", False, 2), ("slow, ok", False, 1)])
+def test_a_page_whose_browser_failed_fast_is_tried_once_more_on_a_fresh_one(monkeypatch, drivers, rendered, restarts):
+    """A driver error early in a page's time (as chromedriver's 'timeout' 2 s into a 15 s limit on a loaded CI host)
+    gets the page a second, last try on a fresh browser; a failure past half the time limit (a hung page) does not."""
+    made = {"fast": lambda: FailingDriver(), "slow": lambda: FailingDriver(after_s=0.35),
+            "ok": lambda: CapturingDriver((1280, 900), [(1280, 900)])}
+    queue_ = [made[name]() for name in drivers.split(", ")]
+    server = browser.PageServer()
+    try:
+        renderer = fake_renderer(monkeypatch, None)
+        renderer.server, renderer.time_limit_s = server, 0.6
+        monkeypatch.setattr(renderer, "_start", lambda: setattr(renderer, "_driver", queue_.pop(0)))
+        monkeypatch.setattr(renderer, "_kill", lambda: setattr(renderer, "_driver", None))
+        render = renderer.render("<body></body>")
+        assert (render.png is not None) == rendered and renderer.restarts == restarts
+        assert render.size == (1280, 900) if rendered else "RuntimeError: Message: timeout" in render.error
+        assert server.pages == {}
+    finally:
+        server.close()
+
 ALLOCATE = "x = bytearray({mb} << 20); x[::4096] = b'1' * len(x[::4096]); print('allocated')"
 
 

@@ -12,8 +12,10 @@ How a page is contained:
   no file but itself and the placeholder.
 - Scripts run inside Chromium's processes, never in this one. Each render has a time limit: a page that has
   not rendered by then (an endless script, a huge DOM) gets no screenshot and its browser is killed and
-  started afresh. `window.open`, `alert`, `confirm`, `prompt` and `print` do nothing; any window a page still
-  manages to open is closed after the render.
+  started afresh. A page is measured once the window shows it loaded, and a page whose browser failed fast
+  (a driver error within half the limit) is tried once more on a fresh browser. `window.open`, `alert`,
+  `confirm`, `prompt` and `print` do nothing; any window a page still manages to open is closed after the
+  render.
 - Full-page screenshots have a fixed viewport (`VIEWPORT`, CSS pixels at scale 1) and are cut at
   `MAX_PAGE_HEIGHT` and at `MAX_SCREENSHOT_PIXELS`; a PNG over `MAX_SCREENSHOT_BYTES` (a canvas of random
   pixels does not compress) is refused in the renderer, so it is neither kept per page nor posted to the
@@ -394,29 +396,39 @@ class Renderer:
         return checked_screenshot(base64.b64decode(shot["data"]))
 
     def render(self, html: str) -> Render:
-        """Screenshot of `html`; never raises: a failed page is Render(None, error)."""
+        """Screenshot of `html`; never raises: a failed page is Render(None, error). A page whose browser failed
+        fast (within half the time limit, e.g. chromedriver's own 'timeout' on a loaded host) is tried once more
+        on a fresh browser; one that ran into the time limit is not."""
         start = time.monotonic()
         url = self.server.add(html)
         try:
-            if self._driver is None:
-                self._start()
-            future = self._worker.submit(self._screenshot, url)
-            png = future.result(timeout=self.time_limit_s + 5)
-            return Render(png, None, time.monotonic() - start)
-        except ScreenshotTooLargeError as e:  # the browser is fine and already back on a blank page
-            return Render(None, str(e), time.monotonic() - start)
-        except Exception as e:  # noqa: BLE001 — any failure (timeout, crash) loses this page, not the run
-            reason = "time limit" if isinstance(e, concurrent.futures.TimeoutError) else type(e).__name__
-            log.warning("page did not render (%s: %s); restarting the browser", reason, str(e).splitlines()[:1])
-            self._kill()
-            self.restarts += 1
-            # The stuck worker thread returns once its browser is gone; a fresh one serves the next page.
-            self._worker.shutdown(wait=False)
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="renderer")
-            return Render(None, f"{reason}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300],
-                          time.monotonic() - start)
+            for attempt in range(2):
+                began = time.monotonic()
+                try:
+                    if self._driver is None:
+                        self._start()
+                    future = self._worker.submit(self._screenshot, url)
+                    png = future.result(timeout=self.time_limit_s + 5)
+                    return Render(png, None, time.monotonic() - start)
+                except ScreenshotTooLargeError as e:  # the browser is fine and already back on a blank page
+                    return Render(None, str(e), time.monotonic() - start)
+                except Exception as e:  # noqa: BLE001 — any failure (timeout, crash) loses this page, not the run
+                    reason = "time limit" if isinstance(e, concurrent.futures.TimeoutError) else type(e).__name__
+                    self._restart(reason, e)
+                    if attempt == 0 and time.monotonic() - began < self.time_limit_s / 2:
+                        continue
+                    return Render(None, f"{reason}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300],
+                                  time.monotonic() - start)
         finally:
             self.server.remove(url)
+
+    def _restart(self, reason: str, error: Exception) -> None:
+        log.warning("page did not render (%s: %s); restarting the browser", reason, str(error).splitlines()[:1])
+        self._kill()
+        self.restarts += 1
+        # The stuck worker thread returns once its browser is gone; a fresh one serves the next page.
+        self._worker.shutdown(wait=False)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="renderer")
 
     def close(self):
         self._kill()
