@@ -53,6 +53,12 @@ def wandb() -> types.ModuleType:
     return _load("wandb")
 
 
+def selenium_timeout() -> type:
+    """selenium's TimeoutException (what chromedriver's 'timeout' errors raise)."""
+    exceptions = _load("selenium.common.exceptions", feature="the frontend track's browser", install="selenium")
+    return exceptions.TimeoutException
+
+
 def selenium_webdriver() -> types.ModuleType:
     """selenium.webdriver, with its chrome.service module loaded (optional: the frontend track's browser)."""
     webdriver = _load("selenium.webdriver", feature="the frontend track's browser", install="selenium")

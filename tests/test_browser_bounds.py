@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from PIL import Image
+from selenium.common.exceptions import TimeoutException
 
 from sweet_jax.envs import browser
 from sweet_jax.sandbox.evaluator import _MemoryCgroups
@@ -114,7 +115,7 @@ class CapturingDriver:
         self.switch_to = type("SwitchTo", (), {"window": lambda self, handle: None})()
 
     def get(self, url):
-        self.host = url.removeprefix("http://").rstrip("/")
+        self.host = browser.page_host(url)
 
     def execute_script(self, script):
         return [self.host, "complete"] if script == browser._PAGE_STATE else None
@@ -148,7 +149,6 @@ def test_a_capture_at_another_size_than_its_clip_is_taken_again_and_refused_when
         fake_renderer(monkeypatch, driver)._screenshot("http://page.invalid/")
 
 
-
 class EarlyDriver(CapturingDriver):
     """A chromedriver that returns from `get` (or raises its own timeout) before the page has loaded: the window
     shows the blank page, then the page loading, then loaded; its layout is the blank page's 800 px until then."""
@@ -161,7 +161,7 @@ class EarlyDriver(CapturingDriver):
         super().get(url)
         if self.raises:  # the page's navigation, not the blank page's after it
             self.raises = False
-            raise type("TimeoutException", (Exception,), {})("Message: timeout")
+            raise TimeoutException("timeout")
 
     def execute_script(self, script):
         state = self.states.pop(0) if self.states else [self.host, "complete"]
@@ -193,7 +193,6 @@ def test_a_page_that_never_loads_is_lost_at_its_time_limit(monkeypatch):
     assert driver.clips == []
 
 
-
 class FailingDriver(CapturingDriver):
     """A browser whose driver fails its page after `after_s` seconds (chromedriver's own error, not the page's)."""
 
@@ -222,10 +221,11 @@ def test_a_page_whose_browser_failed_fast_is_tried_once_more_on_a_fresh_one(monk
         monkeypatch.setattr(renderer, "_kill", lambda: setattr(renderer, "_driver", None))
         render = renderer.render("<body></body>")
         assert (render.png is not None) == rendered and renderer.restarts == restarts
-        assert render.size == (1280, 900) if rendered else "RuntimeError: Message: timeout" in render.error
+        assert (render.size == (1280, 900)) if rendered else ("RuntimeError: Message: timeout" in render.error)
         assert server.pages == {}
     finally:
         server.close()
+
 
 ALLOCATE = "x = bytearray({mb} << 20); x[::4096] = b'1' * len(x[::4096]); print('allocated')"
 

@@ -189,11 +189,16 @@ class PageServer:
         return f"http://{host}/"
 
     def remove(self, url: str) -> None:
-        self.pages.pop(url.removeprefix("http://").rstrip("/"), None)
+        self.pages.pop(page_host(url), None)
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def page_host(url: str) -> str:
+    """The host of a page's URL as PageServer.add makes it (http://<host>/): its key, and its window's origin."""
+    return url.removeprefix("http://").partition("/")[0]
 
 
 def find_browser() -> tuple[str, str]:
@@ -348,11 +353,11 @@ class Renderer:
         the blank page's 800 px, another without its picture) and raised its own 'timeout' 2 s into a 15 s limit,
         its browser's start included; both mean only that the page is not there yet."""
         driver, deadline = self._driver, time.monotonic() + self.time_limit_s
-        host = url.removeprefix("http://").partition("/")[0]
+        host = page_host(url)
         try:
             driver.get(url)
-        except Exception as e:  # selenium's TimeoutException, imported lazily with selenium
-            if type(e).__name__ != "TimeoutException" or time.monotonic() >= deadline:
+        except lazy.selenium_timeout():
+            if time.monotonic() >= deadline:
                 raise
         while (state := driver.execute_script(_PAGE_STATE)) != [host, "complete"]:
             if time.monotonic() >= deadline:
