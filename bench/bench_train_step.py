@@ -28,6 +28,8 @@ Variant specs are comma-separated key=value pairs:
          score_pos as the trainer builds it with loss.score_positions, its default; 0: at every token)
          xla_flags='--xla_...'  matmul=auto|xla|xla_bf16|onednn (model.cpu_matmul: the projections as bfloat16 matmuls on
          oneDNN, float32 accumulation and master weights; models/cpu_matmul.py)
+         src=DIR (the sweet_jax source tree the side imports, e.g. a checkout of an earlier commit made with
+         `git worktree add DIR COMMIT`: before and after a change side by side; default this checkout)
   both:  malloc=tcmalloc|hugepages|system: the host allocator the child process starts with (sweet_jax.host_malloc;
          the sweet_jax side defaults to tcmalloc, the fastest steps (SWEET_JAX_MALLOC=tcmalloc; the command lines'
          default is hugepages, which holds less memory); the PyTorch side defaults to the system allocator, as
@@ -53,7 +55,7 @@ import time
 import numpy as np
 
 GiB = 1024 ** 3
-JAX_DEFAULT = dict(attn="auto", remat="none", chunk="auto", micro="0", block="128", score="1", xla_flags="",
+JAX_DEFAULT = dict(attn="auto", remat="none", chunk="auto", micro="0", block="128", score="1", xla_flags="", src="",
                    malloc="tcmalloc", matmul="auto")
 TORCH_DEFAULT = dict(attn="sdpa", logp="gather", adamw="fused", threads="0", micro="auto", malloc="system",
                      autocast="none")
@@ -131,6 +133,9 @@ def peak_rss():
 
 def prepare_jax(a, path, spec):
     import jax
+    import sweet_jax
+    if spec.get("src") and not sweet_jax.__file__.startswith(os.path.abspath(spec["src"]) + os.sep):
+        sys.exit(f"src={spec['src']}: this side imported {sweet_jax.__file__} instead")
     from sweet_jax import config_utils
     from sweet_jax.train import steps
     from sweet_jax.train.optimizer import make_optimizer
@@ -294,7 +299,12 @@ class Side:
         env = child_env(spec.get("malloc", "system"))
         if kind in ("jax", "peak") and spec.get("xla_flags"):
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + spec["xla_flags"]).strip()
-        self.log = open(os.path.join(logdir, f"{name}.log"), "w+")
+        if spec.get("src"):  # that tree's sweet_jax package comes first on the child's path
+            src = os.path.abspath(spec["src"])
+            if not os.path.isfile(os.path.join(src, "sweet_jax", "__init__.py")):
+                sys.exit(f"src={spec['src']}: no sweet_jax package there")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (src, env.get("PYTHONPATH"))))
+        self.log = open(os.path.join(logdir, name.replace(os.sep, "_") + ".log"), "w+")  # src=DIR names a path
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", kind, "--_path", path,
                "--_spec", json.dumps(spec)] + a.forward
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -431,6 +441,11 @@ def main():
             spec += f" ({infos[s.name]['attention']} attention)"
         print(f"| {s.name} | {spec} | {med:.3f} | {tokens / med:.0f} | {s.final['peak_rss'] / GiB:.2f} | "
               f"{100 * side_flops(s) / med / peak_flops:.1f}% | {s.results[-1]['loss']:.5g} |")
+    for s in sides:
+        if s.kind == "jax" and s is not j:
+            ratios = [ss / jj for ss, jj in zip(s.times, j.times)]
+            print(f"{s.name} step time / sweet_jax's: {float(np.median(ratios)):.2f}x (per round "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)})")
     per_round = [tt / jj for tt, jj in zip(t.times, j.times)]
     for s in sides:
         if s.kind != "peak" and s is not t:
