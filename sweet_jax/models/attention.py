@@ -127,58 +127,36 @@ def blocked_causal_attention(q_BTNH, k_BSKH, v_BSKH, key_valid_BS=None, *, block
     """Causal (+ key padding) self-attention (S == T) over query blocks unrolled in Python: block [a, b)
     attends keys [0, b) only, so the fully masked upper triangle is never computed (T = 4 blocks: 10/16 of
     the logits). Real query rows equal the XLA attention; a query row that sees no valid key averages the
-    values of its block's key range instead of all keys (padding rows only).
-
-    q, k and v are laid out heads-major once ([B, K, G, T, H], [B, K, H, S], [B, K, S, H]) and every block runs
-    `grouped_attention` on slices of them: its products are plain batched matmuls over (B, K). Each block through
-    jax.nn.dot_product_attention instead moved [B, T, N, H] operands and [B, N, T, S] logits between layouts at
-    every product, forward and backward (XLA:CPU copies: a SmolLM2 critic step 1.14x as long, BENCHMARKS.md)."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    G = N // K
-    q_BKGTH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
-    k_BKHS, v_BKSH = k_BSKH.transpose(0, 2, 3, 1), v_BSKH.transpose(0, 2, 1, 3)
+    values of its block's key range instead of all keys (padding rows only)."""
+    T = q_BTNH.shape[1]
     outs = []
     for start in range(0, T, block_size):
         end = min(start + block_size, T)
-        C = end - start
         kv = None if key_valid_BS is None else key_valid_BS[:, :end]
-        out_BKQH = grouped_attention(q_BKGTH[:, :, :, start:end].reshape(B, K, G * C, H), k_BKHS[..., :end],
-                                     v_BKSH[:, :, :end], causal_mask(C, end, kv, query_offset=start))
-        outs.append(out_BKQH.reshape(B, K, G, C, H))
-    out_BKGTH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-
-
-def grouped_attention(q_BKQH, k_BKHS, v_BKSH, mask_B1TS) -> jax.Array:
-    """Attention of heads-major queries over heads-major keys and values -> [B, K, Q, H]: the Q = G * T rows of
-    a kv head are its G query heads' T queries, (g, t) in that order, and mask_B1TS ([B or 1, 1, T, S]) is the
-    mask of the T queries, shared by the G heads. Same math as jax.nn.dot_product_attention's XLA path (scale
-    after the product, float32 softmax, masked logits at a large finite negative: a row that sees no slot
-    averages them, as there)."""
-    H, S = k_BKHS.shape[2], k_BKHS.shape[3]
-    Mb, _, T, _ = mask_B1TS.shape
-    G = q_BKQH.shape[2] // T
-    logits_BKQS = jnp.einsum("BKQH,BKHS->BKQS", q_BKQH, k_BKHS,
-                             preferred_element_type=jnp.promote_types(q_BKQH.dtype, jnp.float32))
-    logits_BKQS = logits_BKQS * jnp.asarray(H ** -0.5, logits_BKQS.dtype)
-    mask_B1QS = jnp.broadcast_to(mask_B1TS[:, :, None], (Mb, 1, G, T, S)).reshape(Mb, 1, G * T, S)
-    logits_BKQS = jnp.where(mask_B1QS, logits_BKQS.astype(jnp.float32),
-                            jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
-    probs_BKQS = jax.nn.softmax(logits_BKQS, axis=-1).astype(v_BKSH.dtype)
-    return jnp.einsum("BKQS,BKSH->BKQH", probs_BKQS, v_BKSH)
+        outs.append(jax.nn.dot_product_attention(
+            q_BTNH[:, start:end], k_BSKH[:, :end], v_BSKH[:, :end],
+            mask=causal_mask(end - start, end, kv, query_offset=start), implementation="xla"))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def heads_major_attention(q_BTNH, k_BKHS, v_BKSH, mask_B1TS) -> jax.Array:
     """Attention of T queries over a heads-major KV cache: [B, T, N, H] out. The G = N // K query heads sharing a
-    kv head are stacked with the T queries into one [G*T, H] block per (row, kv head) (`grouped_attention`), so
-    both products are plain batched matmuls over (B, K) with the cache as stored: XLA moves no cache bytes besides
-    reading them."""
+    kv head are stacked with the T queries into one [G*T, H] block per (row, kv head), so both products are
+    plain batched matmuls over (B, K) with the cache as stored: XLA moves no cache bytes besides reading them.
+    Same math as jax.nn.dot_product_attention's XLA path (scale after the product, float32 softmax, masked
+    logits at a large finite negative: a row that sees no slot averages them, as there)."""
     B, T, N, H = q_BTNH.shape
     K = k_BKHS.shape[1]
     G = N // K
     q_BKQH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
-    out_BKQH = grouped_attention(q_BKQH, k_BKHS, v_BKSH, mask_B1TS)
+    logits_BKQS = jnp.einsum("BKQH,BKHS->BKQS", q_BKQH, k_BKHS)
+    logits_BKQS = logits_BKQS * jnp.asarray(H ** -0.5, logits_BKQS.dtype)
+    S = k_BKHS.shape[3]
+    mask_B1QS = jnp.broadcast_to(mask_B1TS[:, :, None], (B, 1, G, T, S)).reshape(B, 1, G * T, S)
+    logits_BKQS = jnp.where(mask_B1QS, logits_BKQS.astype(jnp.float32),
+                            jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
+    probs_BKQS = jax.nn.softmax(logits_BKQS, axis=-1).astype(v_BKSH.dtype)
+    out_BKQH = jnp.einsum("BKQS,BKSH->BKQH", probs_BKQS, v_BKSH)
     return out_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
